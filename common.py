@@ -1,0 +1,588 @@
+"""Shared plumbing for flow_grpo.py, g2rpo.py and densegrpo.py: plain functions, in six sections.
+
+1. schedules  2. SDE/ODE steps  3. model  4. rewards  5. advantages  6. distributed, logging, checkpoints
+The algorithm files import what they need from here; everything algorithm-specific stays in them.
+"""
+import contextlib
+import io
+import json
+import math
+import os
+import shutil
+import sys
+
+import torch
+import torch.distributed as dist
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+MODEL_ALIASES = {  # short names accepted by --model
+    "toy": os.path.join(HERE, "toy", "flux-shapes"),
+    "sd3.5-medium": "stabilityai/stable-diffusion-3.5-medium",
+    "flux-dev": "black-forest-labs/FLUX.1-dev",
+}
+
+
+def fail(message: str):
+    """Stop with a one-line error (no traceback): bad input must say what was wrong and what is allowed."""
+    raise SystemExit(f"error: {message}")
+
+
+def apply_preset(args, preset: dict, argv=None):
+    """Set every field in `preset` that was not passed explicitly on the command line (explicit flags win)."""
+    argv = sys.argv[1:] if argv is None else argv
+    given = {a[2:].split("=")[0].replace("-", "_") for a in argv if a.startswith("--")}
+    given |= {g[3:] for g in given if g.startswith("no_")}
+    for key, value in preset.items():
+        if key not in given:
+            setattr(args, key, value)
+    return args
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 1. Schedules
+# ---------------------------------------------------------------------------------------------------------------
+def sigma_schedule(num_steps: int, shift: float) -> torch.Tensor:
+    """Shifted flow-matching noise levels sigma_0 = 1 > ... > sigma_T = 0: shift*u / (1 + (shift-1)*u), u = linspace(1, 0)."""
+    u = torch.linspace(1, 0, num_steps + 1, dtype=torch.float64)
+    return (shift * u / (1 + (shift - 1) * u)).float()
+
+
+def strided_indices(start: int, end: int, stride: int) -> list[int]:
+    """Schedule indices start, start+stride, ... that always end exactly at `end` (the last stride may be shorter).
+    Gives ceil((end - start) / stride) steps."""
+    if stride < 1:
+        fail(f"stride {stride} is not allowed; use an integer >= 1")
+    return list(range(start, end, stride)) + [end]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 2. SDE / ODE steps (all step math in float32, shared by sampling and training so log-probs match exactly)
+# ---------------------------------------------------------------------------------------------------------------
+def gaussian_log_prob(x: torch.Tensor, mean: torch.Tensor, std: float) -> torch.Tensor:
+    """log N(x; mean, std^2), averaged over every non-batch dimension (the official per-element mean)."""
+    lp = -((x.detach() - mean) ** 2) / (2 * std**2) - math.log(std) - 0.5 * math.log(2 * math.pi)
+    return lp.mean(dim=tuple(range(1, x.ndim)))
+
+
+def sde_step(v, x, sigmas, i: int, noise_level: float, prev_sample=None, generator=None, form: str = "flow_grpo"):
+    """One Euler-Maruyama step of the marginal-preserving reverse SDE from sigmas[i] to sigmas[i+1].
+
+    dx = [v + g^2 / (2 sigma) (x + (1 - sigma) v)] dt + g dW   (Flow-GRPO Eq. 9; G2RPO Eq. 3), dt < 0, with
+    g = a * sqrt(sigma / (1 - sigma')) (form "flow_grpo"; sigma' = sigmas[1] at sigma = 1) or g = eta ("dance",
+    DanceGRPO's constant coefficient). noise_level 0 is the Euler ODE step x + v dt (log-prob is then 0).
+    Samples x_next unless `prev_sample` is given. Returns (x_next, log_prob, mean, std) with std = g sqrt(-dt).
+    """
+    v, x = v.float(), x.float()
+    sigma, sigma_next = float(sigmas[i]), float(sigmas[i + 1])
+    dt = sigma_next - sigma
+    if form == "flow_grpo":
+        g = noise_level * math.sqrt(sigma / (1 - (float(sigmas[1]) if sigma == 1 else sigma)))
+    elif form == "dance":
+        g = noise_level
+    else:
+        fail(f"noise form {form!r} is not known; use 'flow_grpo' or 'dance'")
+    mean = x + (v + g**2 / (2 * sigma) * (x + (1 - sigma) * v)) * dt
+    std = g * math.sqrt(-dt)
+    if prev_sample is None:
+        noise = torch.randn(x.shape, generator=generator, device=generator.device if generator else x.device)
+        prev_sample = mean + std * noise.to(x.device) if std > 0 else mean
+    prev_sample = prev_sample.float()
+    log_prob = gaussian_log_prob(prev_sample, mean, std) if std > 0 else torch.zeros(x.shape[0], device=x.device)
+    return prev_sample, log_prob, mean, std
+
+
+def ode_step(v, x, sigma: float, sigma_next: float):
+    """Euler step of the probability-flow ODE dx = v dt (float32)."""
+    return x.float() + v.float() * (float(sigma_next) - float(sigma))
+
+
+@torch.no_grad()
+def ode_sample(transformer, kind: str, emb: dict, x, sigmas, guidance: float, micro_batch: int):
+    """Integrate the ODE through the whole schedule `sigmas` for latents x (row k uses emb row k), in micro-batches."""
+    out = []
+    for rows in torch.arange(len(x)).split(micro_batch):
+        z = x[rows]
+        for i in range(len(sigmas) - 1):
+            z = ode_step(velocity(transformer, kind, z, sigmas[i], select(emb, rows), guidance), z, sigmas[i], sigmas[i + 1])
+        out.append(z)
+    return torch.cat(out)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 3. Model: loading, prompt encoding, velocity (with an NFE counter), decoding, trainable parameters
+# ---------------------------------------------------------------------------------------------------------------
+NFE = {"count": 0}  # per-sample transformer evaluations (a CFG pair counts once); every forward goes through velocity()
+LORA_TARGETS = {
+    "sd3": ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"],
+    "flux": ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
+             "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2"],
+}
+
+
+def load_pipeline(model: str, device, dtype=torch.float32):
+    """A FluxPipeline or StableDiffusion3Pipeline from an alias in MODEL_ALIASES, a local directory or a hub id.
+    Returns (pipe, kind) with kind in {"flux", "sd3"}."""
+    from diffusers import DiffusionPipeline, FluxPipeline, StableDiffusion3Pipeline
+
+    path = MODEL_ALIASES.get(model, model)
+    is_hub_id = path.count("/") == 1 and not path.startswith((".", "/", "~")) and not os.path.exists(path)
+    if not os.path.isdir(path) and not is_hub_id:
+        fail(f"model path {model!r} does not exist; pass a local pipeline directory, a hub id (owner/name) "
+             f"or one of {sorted(MODEL_ALIASES)}")
+    try:
+        pipe = DiffusionPipeline.from_pretrained(path, torch_dtype=dtype)
+    except Exception as e:  # offline hub id, broken directory, ...
+        fail(f"cannot load model {model!r}: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
+    kind = "flux" if isinstance(pipe, FluxPipeline) else "sd3" if isinstance(pipe, StableDiffusion3Pipeline) else None
+    if kind is None:
+        fail(f"model {model!r} is a {type(pipe).__name__}; only FluxPipeline and StableDiffusion3Pipeline are supported")
+    pipe.set_progress_bar_config(disable=True)
+    for name in ("vae", "text_encoder", "text_encoder_2", "text_encoder_3", "transformer"):
+        module = getattr(pipe, name, None)
+        if module is not None:
+            module.requires_grad_(False).eval().to(device)
+    return pipe, kind
+
+
+def latent_shape(pipe, kind: str, resolution: int) -> tuple:
+    """(C, H, W) of the latents for a square image, or a one-line error if the model cannot take `resolution`."""
+    f = pipe.vae_scale_factor
+    multiple = 2 * f if kind == "flux" else f * pipe.transformer.config.patch_size
+    if resolution < multiple or resolution % multiple:
+        fail(f"--resolution {resolution} is not allowed for this model; use a positive multiple of {multiple}")
+    channels = pipe.transformer.config.in_channels // (4 if kind == "flux" else 1)
+    return channels, resolution // f, resolution // f
+
+
+@torch.no_grad()
+def encode_prompts(pipe, kind: str, prompts: list[str], max_sequence_length: int, cfg: float = 1.0) -> dict:
+    """Text embeddings for each prompt (computed once per prompt; index them to repeat for a group)."""
+    device = pipe.transformer.device
+    if kind == "flux":
+        embeds, pooled, _ = pipe.encode_prompt(prompts, prompt_2=None, device=device, max_sequence_length=max_sequence_length)
+        return {"embeds": embeds, "pooled": pooled}
+    embeds, neg, pooled, neg_pooled = pipe.encode_prompt(
+        prompts, prompts, prompts, device=device, do_classifier_free_guidance=cfg > 1, negative_prompt="",
+        negative_prompt_2="", negative_prompt_3="", max_sequence_length=max_sequence_length)
+    out = {"embeds": embeds, "pooled": pooled}
+    if cfg > 1:
+        out.update(neg_embeds=neg, neg_pooled=neg_pooled)
+    return out
+
+
+def select(emb: dict, index) -> dict:
+    """Rows `index` of every tensor in an embedding dict (e.g. repeat each prompt for its group)."""
+    return {k: v[index] for k, v in emb.items()}
+
+
+def velocity(transformer, kind: str, x, sigma: float, emb: dict, guidance: float = 1.0):
+    """Model velocity v(x, sigma) for latents x [B, C, H, W]. Hides Flux packing, position ids and the guidance
+    embedding (timestep = sigma), and SD3's classifier-free guidance (timestep = 1000 sigma, batch [negative; positive])."""
+    from diffusers import FluxPipeline
+
+    NFE["count"] += x.shape[0]
+    b, c, h, w = x.shape
+    dtype = next(transformer.parameters()).dtype
+    t = torch.full((b,), float(sigma), device=x.device, dtype=dtype)
+    if kind == "flux":
+        packed = FluxPipeline._pack_latents(x.to(dtype), b, c, h, w)
+        img_ids = FluxPipeline._prepare_latent_image_ids(b, h // 2, w // 2, x.device, dtype)
+        txt_ids = torch.zeros(emb["embeds"].shape[1], 3, device=x.device, dtype=dtype)
+        g = torch.full((b,), guidance, device=x.device, dtype=dtype) if transformer.config.guidance_embeds else None
+        out = transformer(hidden_states=packed, timestep=t, guidance=g, pooled_projections=emb["pooled"].to(dtype),
+                          encoder_hidden_states=emb["embeds"].to(dtype), txt_ids=txt_ids, img_ids=img_ids,
+                          return_dict=False)[0]
+        return out.view(b, h // 2, w // 2, c, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(b, c, h, w)
+    cfg = "neg_embeds" in emb and guidance > 1
+    embeds = torch.cat([emb["neg_embeds"], emb["embeds"]]) if cfg else emb["embeds"]
+    pooled = torch.cat([emb["neg_pooled"], emb["pooled"]]) if cfg else emb["pooled"]
+    out = transformer(hidden_states=torch.cat([x, x]).to(dtype) if cfg else x.to(dtype),
+                      timestep=torch.cat([t, t]) * 1000 if cfg else t * 1000, encoder_hidden_states=embeds.to(dtype),
+                      pooled_projections=pooled.to(dtype), return_dict=False)[0]
+    if cfg:
+        uncond, cond = out.chunk(2)
+        out = uncond + guidance * (cond - uncond)
+    return out
+
+
+@torch.no_grad()
+def decode(pipe, latents) -> torch.Tensor:
+    """Latents -> float images in [0, 1], [B, 3, H, W]."""
+    cfg = pipe.vae.config
+    z = latents / cfg.scaling_factor + (cfg.shift_factor or 0.0)
+    images = pipe.vae.decode(z.to(pipe.vae.dtype), return_dict=False)[0]
+    return ((images.float() + 1) / 2).clamp(0, 1)
+
+
+def make_trainable(transformer, kind: str, lora_rank: int, lora_alpha: float, full_finetune: bool) -> list:
+    """LoRA adapters (peft, gaussian init) on the attention (and for Flux, MLP) projections, or full fine-tuning.
+    Returns the trainable parameters (kept in float32)."""
+    if full_finetune:
+        transformer.requires_grad_(True)
+    else:
+        from peft import LoraConfig
+
+        transformer.add_adapter(LoraConfig(r=lora_rank, lora_alpha=lora_alpha, init_lora_weights="gaussian",
+                                           target_modules=LORA_TARGETS[kind]))
+    params = [p for p in transformer.parameters() if p.requires_grad]
+    for p in params:
+        p.data = p.data.float()
+    return params
+
+
+@contextlib.contextmanager
+def adapters_disabled(transformer, enabled: bool = True):
+    """The reference (pre-RL) model of a LoRA run: the same transformer with its adapter switched off."""
+    if enabled:
+        transformer.disable_adapters()
+    try:
+        yield transformer
+    finally:
+        if enabled:
+            transformer.enable_adapters()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 4. Rewards: each is fn(images [B, 3, H, W] in [0, 1], prompts) -> tensor [B]
+# ---------------------------------------------------------------------------------------------------------------
+REWARD_DEFAULTS = {  # where each reward's weights come from unless a local path is given
+    "hps": "xswu/HPSv2:HPS_v2.1_compressed.pt",
+    "clip": "hf-hub:apple/DFN5B-CLIP-ViT-H-14-384",
+    "pickscore": "yuvalkirstain/PickScore_v1",
+    "pickscore_processor": "laion/CLIP-ViT-H-14-laion2B-s32B-b79K",
+}
+
+
+def load_safely(path: str):
+    """Weights from safetensors or a pickle read with weights_only=True (a downloaded pickle cannot run code)."""
+    if path.endswith(".safetensors"):
+        from safetensors.torch import load_file
+
+        return load_file(path)
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def _clip_preprocess(images, size: int, mean, std, pad_square: bool):
+    """Resize (longest side to `size` and pad, as HPS does; or shortest side and centre-crop), then normalise."""
+    import torch.nn.functional as F
+
+    h, w = images.shape[-2:]
+    scale = size / (max(h, w) if pad_square else min(h, w))
+    nh, nw = max(1, round(h * scale)), max(1, round(w * scale))
+    x = F.interpolate(images.float(), size=(nh, nw), mode="bicubic", align_corners=False, antialias=True).clamp(0, 1)
+    if pad_square:
+        x = F.pad(x, (0, size - nw, 0, size - nh))
+    else:
+        top, left = (nh - size) // 2, (nw - size) // 2
+        x = x[..., top:top + size, left:left + size]
+    return (x - torch.tensor(mean).view(1, 3, 1, 1).to(x)) / torch.tensor(std).view(1, 3, 1, 1).to(x)
+
+
+def _open_clip_cosine(model, tokenizer, size, pad_square):
+    from open_clip.constants import OPENAI_DATASET_MEAN, OPENAI_DATASET_STD
+
+    @torch.no_grad()
+    def score(images, prompts):
+        device = next(model.parameters()).device
+        x = _clip_preprocess(images.to(device), size, OPENAI_DATASET_MEAN, OPENAI_DATASET_STD, pad_square)
+        img = torch.nn.functional.normalize(model.encode_image(x).float(), dim=-1)
+        txt = torch.nn.functional.normalize(model.encode_text(tokenizer(list(prompts)).to(device)).float(), dim=-1)
+        return (img * txt).sum(-1)
+
+    return score
+
+
+def hps_reward(checkpoint: str, device, arch: str = "ViT-H-14"):
+    """HPS-v2.1 as the hpsv2 package computes it, without that package: open_clip ViT-H-14 (no pretrained tag),
+    strict load of HPS_v2.1_compressed.pt's state_dict; cosine of normalised features (no logit scale)."""
+    import open_clip
+
+    if not os.path.isfile(checkpoint):
+        repo, _, filename = checkpoint.partition(":")
+        from huggingface_hub import hf_hub_download
+
+        try:
+            checkpoint = hf_hub_download(repo, filename or "HPS_v2.1_compressed.pt")
+        except Exception as e:
+            fail(f"HPS checkpoint {checkpoint!r} is neither a local file nor downloadable ({type(e).__name__}); "
+                 f"pass --hps-checkpoint /path/to/HPS_v2.1_compressed.pt")
+    model = open_clip.create_model(arch, pretrained=None)
+    state = load_safely(checkpoint)
+    model.load_state_dict(state.get("state_dict", state), strict=True)
+    model.eval().requires_grad_(False).to(device)
+    return _open_clip_cosine(model, open_clip.get_tokenizer(arch), model.visual.image_size[0]
+                             if isinstance(model.visual.image_size, (tuple, list)) else model.visual.image_size, True)
+
+
+def clip_reward(name: str, device):
+    """CLIP score (MixGRPO / G2RPO): cosine of normalised open_clip features; `name` is 'hf-hub:...' or a local
+    directory with open_clip_config.json and weights."""
+    import open_clip
+
+    name = f"local-dir:{name}" if os.path.isdir(name) else name
+    try:
+        model = open_clip.create_model(name)
+    except Exception as e:
+        fail(f"cannot load CLIP model {name!r} ({str(e).splitlines()[0][:200]}); pass --clip-model /local/dir")
+    model.eval().requires_grad_(False).to(device)
+    size = model.visual.image_size
+    return _open_clip_cosine(model, open_clip.get_tokenizer(name), size[0] if isinstance(size, (tuple, list)) else size,
+                             False)
+
+
+def pickscore_reward(model_path: str, processor_path: str, device):
+    """PickScore as in Flow-GRPO: logit_scale.exp() * cos(text, image) / 26 (transformers CLIPModel)."""
+    from transformers import AutoProcessor, CLIPModel
+
+    try:
+        processor = AutoProcessor.from_pretrained(processor_path)
+        model = CLIPModel.from_pretrained(model_path).eval().requires_grad_(False).to(device)
+    except Exception as e:
+        fail(f"cannot load PickScore from {model_path!r} / {processor_path!r} ({type(e).__name__}); "
+             f"pass --pickscore-model and --pickscore-processor local directories")
+    ip = processor.image_processor
+    size = ip.crop_size["height"] if isinstance(ip.crop_size, dict) else ip.crop_size
+
+    @torch.no_grad()
+    def score(images, prompts):
+        x = _clip_preprocess(images.to(device), size, ip.image_mean, ip.image_std, False)
+        tok = processor.tokenizer(list(prompts), padding="max_length", truncation=True, max_length=77,
+                                  return_tensors="pt").to(device)
+        img = torch.nn.functional.normalize(model.get_image_features(pixel_values=x).float(), dim=-1)
+        txt = torch.nn.functional.normalize(model.get_text_features(**tok).float(), dim=-1)
+        return model.logit_scale.exp().float() * (img * txt).sum(-1) / 26
+
+    return score
+
+
+def jpeg_compressibility(images, prompts):
+    """-(JPEG quality-95 size in kB) / 500, as in Flow-GRPO (smaller files score higher)."""
+    from PIL import Image
+
+    sizes = []
+    for img in (images.detach().float().clamp(0, 1) * 255).round().byte().permute(0, 2, 3, 1).cpu().numpy():
+        buf = io.BytesIO()
+        Image.fromarray(img).save(buf, format="JPEG", quality=95)
+        sizes.append(buf.tell() / 1000)
+    return -torch.tensor(sizes) / 500
+
+
+REWARDS = ["hps", "clip", "pickscore", "jpeg"]
+
+
+def load_rewards(names, device, hps_checkpoint=None, clip_model=None, pickscore_model=None, pickscore_processor=None,
+                 hps_arch="ViT-H-14") -> dict:
+    """{name: fn(images, prompts) -> tensor [B]} for each requested reward, loaded once."""
+    known = REWARDS + sorted(TOY_REWARDS)
+    out = {}
+    for name in names:
+        if name not in known:
+            fail(f"unknown reward {name!r}; choose from {known}")
+        if name == "hps":
+            out[name] = hps_reward(hps_checkpoint or REWARD_DEFAULTS["hps"], device, hps_arch)
+        elif name == "clip":
+            out[name] = clip_reward(clip_model or REWARD_DEFAULTS["clip"], device)
+        elif name == "pickscore":
+            out[name] = pickscore_reward(pickscore_model or REWARD_DEFAULTS["pickscore"],
+                                         pickscore_processor or REWARD_DEFAULTS["pickscore_processor"], device)
+        elif name == "jpeg":
+            out[name] = jpeg_compressibility
+        else:
+            out[name] = TOY_REWARDS[name]
+    return out
+
+
+@torch.no_grad()
+def score(rewards: dict, images, prompts) -> dict:
+    """{name: float tensor [B] on CPU}; a NaN or infinite reward is an error, never silently trained on."""
+    out = {}
+    for name, fn in rewards.items():
+        r = fn(images, prompts).float().cpu()
+        if not torch.isfinite(r).all():
+            fail(f"reward {name!r} returned non-finite values {r[~torch.isfinite(r)][:4].tolist()}")
+        out[name] = r
+    return out
+
+
+TOY_REWARDS = {}  # the toy world's exact rewards are registered here
+
+
+def load_prompt_set(path: str, split: str = "train") -> list[str]:
+    """Prompts from a text file, one per line (blank lines skipped), or 'toy': the toy world's grammar."""
+    if path == "toy":
+        return toy_prompts(4096 if split == "train" else 1024, seed=0 if split == "train" else 1)
+    if not os.path.isfile(path):
+        fail(f"prompt file {path!r} does not exist; pass a text file with one prompt per line")
+    with open(path, encoding="utf-8") as f:
+        prompts = [line.strip() for line in f if line.strip()]
+    if not prompts:
+        fail(f"prompt file {path!r} is empty; it needs at least one prompt (one per line)")
+    return prompts
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 5. Advantages
+# ---------------------------------------------------------------------------------------------------------------
+def group_advantages(rewards, eps: float, unbiased: bool, global_std: bool = False):
+    """GRPO advantages for rewards [P, G] (P groups of G): (r - group mean) / (std + eps), with the std per group or
+    over all P*G rewards. A group whose rewards are all equal gets exactly zero advantage (never NaN or eps-blown)."""
+    r = rewards.double()
+    centred = r - r.mean(dim=1, keepdim=True)
+    std = r.std(unbiased=unbiased) if global_std else r.std(dim=1, keepdim=True, unbiased=unbiased)
+    adv = centred / (std + eps)
+    flat = (r.max(dim=1, keepdim=True).values == r.min(dim=1, keepdim=True).values)
+    return torch.where(flat, torch.zeros_like(adv), adv).float()
+
+
+def combine_advantages(rewards: dict, weights: dict, mode: str, eps: float, unbiased: bool, global_std: bool,
+                       clip: float):
+    """Several rewards -> one advantage [P, G]. mode "advantages": normalise each reward separately, then take the
+    weighted sum (DanceGRPO / G2RPO); mode "rewards": normalise the weighted sum of rewards (Flow-GRPO). Clip to +-clip."""
+    if mode == "advantages":
+        adv = sum(weights[n] * group_advantages(r, eps, unbiased, global_std) for n, r in rewards.items())
+    elif mode == "rewards":
+        adv = group_advantages(sum(weights[n] * r for n, r in rewards.items()), eps, unbiased, global_std)
+    else:
+        fail(f"reward combination {mode!r} is not known; use 'advantages' or 'rewards'")
+    return adv.clamp(-clip, clip)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 6. Distributed, seeding, logging, checkpoints
+# ---------------------------------------------------------------------------------------------------------------
+def setup_distributed():
+    """torchrun-aware setup: NCCL on CUDA, gloo on CPU. Returns (rank, world_size, device)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
+    if world > 1 and not dist.is_initialized():
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return (dist.get_rank() if world > 1 else 0), world, device
+
+
+def gather_cat(t: torch.Tensor) -> torch.Tensor:
+    """Concatenate equal-shaped tensors from every rank along dim 0 (identity on one process)."""
+    if not dist.is_initialized():
+        return t
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, t.contiguous())
+    return torch.cat(parts)
+
+
+def broadcast_object(obj):
+    """Rank 0's value of a picklable object on every rank (e.g. the run name)."""
+    if not dist.is_initialized():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def average_gradients(params):
+    """DDP-style gradient averaging across ranks (LoRA runs; FSDP reduces its own gradients)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
+
+
+def seed_everything(seed: int, deterministic: bool = False):
+    import random
+
+    import numpy as np
+
+    random.seed(seed), np.random.seed(seed), torch.manual_seed(seed)
+    torch.backends.cudnn.deterministic = deterministic
+
+
+def make_writer(run_dir: str, args, track: bool = False, project: str = "flow-rl", rank: int = 0):
+    """Rank 0: TensorBoard writer in runs/<run_name> (plus wandb syncing it when `track`), hyperparameters as text."""
+    if rank != 0:
+        return None
+    from torch.utils.tensorboard import SummaryWriter
+
+    if track:
+        import wandb
+
+        wandb.init(project=project, sync_tensorboard=True, config=vars(args), name=os.path.basename(run_dir),
+                   save_code=True)
+    writer = SummaryWriter(run_dir)
+    writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
+    return writer
+
+
+def log_metrics(writer, run_dir: str, step: int, metrics: dict):
+    """Scalars to TensorBoard and one JSON line per call to <run_dir>/metrics.jsonl (rank 0 only)."""
+    if writer is None:
+        return
+    for k, v in metrics.items():
+        writer.add_scalar(k, v, step)
+    with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
+        f.write(json.dumps({"iteration": step, **{k: float(v) for k, v in metrics.items()}}) + "\n")
+
+
+def image_grid(images, captions, ncols: int = 6):
+    """A matplotlib figure of images [B, 3, H, W] in [0, 1] with a caption under each."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n = len(images)
+    ncols = min(ncols, n)
+    nrows = math.ceil(n / ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(2.2 * ncols, 2.5 * nrows), squeeze=False)
+    for ax in axes.flat:
+        ax.axis("off")
+    for ax, img, cap in zip(axes.flat, images, captions):
+        ax.imshow(img.permute(1, 2, 0).float().cpu().numpy())
+        ax.set_title(cap, fontsize=7, wrap=True)
+    fig.tight_layout()
+    return fig
+
+
+@torch.no_grad()
+def ema_update(ema: list, params: list, decay: float):
+    """Exponential moving average of the trainable parameters (used for evaluation and the exported weights)."""
+    for e, p in zip(ema, params):
+        e.mul_(decay).add_(p.detach().float(), alpha=1 - decay)
+
+
+@contextlib.contextmanager
+def swapped_in(params: list, values):
+    """Temporarily load `values` (e.g. the EMA) into `params`; no-op when values is None."""
+    if values is None:
+        yield
+        return
+    backup = [p.detach().clone() for p in params]
+    with torch.no_grad():
+        for p, v in zip(params, values):
+            p.copy_(v)
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for p, b in zip(params, backup):
+                p.copy_(b)
+
+
+def save_checkpoint(ckpt_dir: str, write_fn):
+    """Atomic checkpoint: `write_fn(tmp_dir)` writes everything, then one rename publishes it."""
+    tmp = ckpt_dir + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    write_fn(tmp)
+    shutil.rmtree(ckpt_dir, ignore_errors=True)
+    os.replace(tmp, ckpt_dir)
+
+
+def latest_checkpoint(path: str):
+    """The newest complete checkpoint under a run directory (or `path` itself if it is one), or None."""
+    if os.path.isfile(os.path.join(path, "state.pt")):
+        return path
+    root = os.path.join(path, "checkpoints")
+    done = [d for d in os.listdir(root) if d.startswith("iter_") and not d.endswith(".tmp")] if os.path.isdir(root) else []
+    return os.path.join(root, max(done, key=lambda d: int(d[5:]))) if done else None
