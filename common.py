@@ -341,15 +341,16 @@ def pickscore_reward(model_path: str, processor_path: str, device):
         fail(f"cannot load PickScore from {model_path!r} / {processor_path!r} ({type(e).__name__}); "
              f"pass --pickscore-model and --pickscore-processor local directories")
     ip = processor.image_processor
-    size = ip.crop_size["height"] if isinstance(ip.crop_size, dict) else ip.crop_size
+    size = ip.crop_size if isinstance(ip.crop_size, int) else ip.crop_size["height"]
 
     @torch.no_grad()
     def score(images, prompts):
         x = _clip_preprocess(images.to(device), size, ip.image_mean, ip.image_std, False)
         tok = processor.tokenizer(list(prompts), padding="max_length", truncation=True, max_length=77,
                                   return_tensors="pt").to(device)
-        img = torch.nn.functional.normalize(model.get_image_features(pixel_values=x).float(), dim=-1)
-        txt = torch.nn.functional.normalize(model.get_text_features(**tok).float(), dim=-1)
+        feats = lambda out: (out if torch.is_tensor(out) else out.pooler_output).float()  # noqa: E731 (transformers 4/5)
+        img = torch.nn.functional.normalize(feats(model.get_image_features(pixel_values=x)), dim=-1)
+        txt = torch.nn.functional.normalize(feats(model.get_text_features(**tok)), dim=-1)
         return model.logit_scale.exp().float() * (img * txt).sum(-1) / 26
 
     return score

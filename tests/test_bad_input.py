@@ -1,0 +1,88 @@
+"""Every rejected argument exits with a one-line error that names the value and what is allowed."""
+import pytest
+
+import flow_grpo
+from common import latent_shape, load_pipeline, load_prompt_set, load_rewards
+from helpers import run_script, tiny_flags, tiny_model_dirs
+
+
+def check(**over):
+    args = flow_grpo.Args()
+    for k, v in over.items():
+        setattr(args, k, v)
+    flow_grpo.check_args(args, world=1)
+
+
+@pytest.mark.parametrize("over,message", [
+    ({"group_size": 1}, "--group-size 1 is not allowed; GRPO needs at least 2 images per prompt"),
+    ({"noise_level": -0.1}, "--noise-level -0.1 is not allowed; use a value >= 0"),
+    ({"timestep_fraction": 0.0}, r"--timestep-fraction 0.0 is not allowed; use a value in \(0, 1\]"),
+    ({"timestep_fraction": 1.5}, r"--timestep-fraction 1.5 is not allowed; use a value in \(0, 1\]"),
+    ({"reward_weights": (1.0, 2.0)}, "--reward-weights has 2 values for 1 rewards; give one per reward"),
+])
+def test_argument_checks(over, message):
+    with pytest.raises(SystemExit, match=message):
+        check(**over)
+
+
+def test_world_size_must_divide_prompts():
+    args = flow_grpo.Args()
+    with pytest.raises(SystemExit, match="--prompts-per-iteration 48 is not a positive multiple of the world size 5"):
+        flow_grpo.check_args(args, world=5)
+
+
+def test_unknown_reward():
+    with pytest.raises(SystemExit, match=r"unknown reward 'aesthetic'; choose from \['hps', 'clip', 'pickscore'"):
+        load_rewards(["aesthetic"], "cpu")
+
+
+def test_missing_model_path(tmp_path):
+    with pytest.raises(SystemExit, match=f"model path '{tmp_path}/nope' does not exist; pass a local pipeline"):
+        load_pipeline(str(tmp_path / "nope"), "cpu")
+
+
+def test_prompt_files(tmp_path):
+    with pytest.raises(SystemExit, match=f"prompt file '{tmp_path}/missing.txt' does not exist"):
+        load_prompt_set(str(tmp_path / "missing.txt"))
+    (tmp_path / "empty.txt").write_text("\n  \n")
+    with pytest.raises(SystemExit, match=f"prompt file '{tmp_path}/empty.txt' is empty"):
+        load_prompt_set(str(tmp_path / "empty.txt"))
+
+
+def test_resolution_the_model_cannot_take(tmp_path):
+    paths = tiny_model_dirs(str(tmp_path))
+    for kind in ("flux", "sd3"):
+        pipe, k = load_pipeline(paths[kind], "cpu")
+        assert latent_shape(pipe, k, 32) == (4, 16, 16)
+        with pytest.raises(SystemExit, match="--resolution 30 is not allowed for this model; use a positive multiple of 4"):
+            latent_shape(pipe, k, 30)
+
+
+def test_cli_error_is_one_line(tmp_path):
+    paths = tiny_model_dirs(str(tmp_path))
+    proc = run_script("flow_grpo.py", tiny_flags(paths["flux"], paths["prompts"], tmp_path, group_size=1), check=False)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "error: --group-size 1 is not allowed; GRPO needs at least 2 images per prompt")
+
+
+def test_paper_command_lines_parse():
+    import tyro
+
+    dance = ("--model flux-dev --resolution 720 --guidance 3.5 --max-sequence-length 512 --num-steps 16 --group-size 12 "
+             "--prompts-per-iteration 16 --noise-form dance --noise-level 0.3 --timestep-selection random "
+             "--timestep-fraction 0.6 --same-init-noise --rewards hps clip --reward-combine advantages --no-global-std "
+             "--std-unbiased --adv-eps 1e-8 --beta 0 --full-finetune --learning-rate 1e-5 --updates-per-iteration 1 "
+             "--no-ema --micro-batch 4").split()
+    args = tyro.cli(flow_grpo.Args, args=dance)
+    assert args.rewards == ("hps", "clip") and args.noise_form == "dance" and not args.global_std and args.std_unbiased
+    default = tyro.cli(flow_grpo.Args, args=[])
+    assert (default.num_steps, default.group_size, default.beta, default.noise_level) == (10, 24, 0.01, 0.7)
+
+
+def test_toy_preset_explicit_flags_win():
+    from common import apply_preset
+
+    args = tyro_args = flow_grpo.Args(model="toy", beta=0.0)
+    apply_preset(tyro_args, flow_grpo.TOY, argv=["--model", "toy", "--beta", "0"])
+    assert args.beta == 0.0 and args.resolution == 32 and args.group_size == 12
