@@ -130,7 +130,7 @@ def load_pipeline(model: str, device, dtype=torch.float32):
         fail(f"model path {model!r} does not exist; pass a local pipeline directory, a hub id (owner/name) "
              f"or one of {sorted(MODEL_ALIASES)}")
     try:
-        pipe = DiffusionPipeline.from_pretrained(path, torch_dtype=dtype)
+        pipe = DiffusionPipeline.from_pretrained(path, dtype=dtype)
     except Exception as e:  # offline hub id, broken directory, ...
         fail(f"cannot load model {model!r}: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
     kind = "flux" if isinstance(pipe, FluxPipeline) else "sd3" if isinstance(pipe, StableDiffusion3Pipeline) else None
@@ -278,12 +278,27 @@ def _clip_preprocess(images, size: int, mean, std, pad_square: bool):
     return (x - torch.tensor(mean).view(1, 3, 1, 1).to(x)) / torch.tensor(std).view(1, 3, 1, 1).to(x)
 
 
-def _open_clip_cosine(model, tokenizer, size, pad_square):
+def open_clip_reward(name: str, device, checkpoint: str | None = None, pad_square: bool = False):
+    """Cosine of L2-normalised open_clip image and text features (no logit scale). `name`: an architecture
+    ('ViT-H-14', built without pretrained weights), 'hf-hub:...' or a local directory with open_clip_config.json;
+    `checkpoint`: a state_dict loaded strictly on top (HPS)."""
+    import open_clip
     from open_clip.constants import OPENAI_DATASET_MEAN, OPENAI_DATASET_STD
+
+    name = f"local-dir:{name}" if os.path.isdir(name) else name
+    try:
+        model = open_clip.create_model(name, pretrained=None)
+    except Exception as e:
+        fail(f"cannot load open_clip model {name!r} ({str(e).splitlines()[0][:200]}); pass a local directory")
+    if checkpoint:
+        state = load_safely(checkpoint)
+        model.load_state_dict(state.get("state_dict", state), strict=True)
+    model.eval().requires_grad_(False).to(device)
+    size = model.visual.image_size
+    size, tokenizer = (size[0] if isinstance(size, (tuple, list)) else size), open_clip.get_tokenizer(name)
 
     @torch.no_grad()
     def score(images, prompts):
-        device = next(model.parameters()).device
         x = _clip_preprocess(images.to(device), size, OPENAI_DATASET_MEAN, OPENAI_DATASET_STD, pad_square)
         img = torch.nn.functional.normalize(model.encode_image(x).float(), dim=-1)
         txt = torch.nn.functional.normalize(model.encode_text(tokenizer(list(prompts)).to(device)).float(), dim=-1)
@@ -293,10 +308,8 @@ def _open_clip_cosine(model, tokenizer, size, pad_square):
 
 
 def hps_reward(checkpoint: str, device, arch: str = "ViT-H-14"):
-    """HPS-v2.1 as the hpsv2 package computes it, without that package: open_clip ViT-H-14 (no pretrained tag),
-    strict load of HPS_v2.1_compressed.pt's state_dict; cosine of normalised features (no logit scale)."""
-    import open_clip
-
+    """HPS-v2.1 as the hpsv2 package computes it, without that package: open_clip ViT-H-14 (no pretrained tag), a
+    strict load of HPS_v2.1_compressed.pt's state_dict, longest side resized to 224 and padded, cosine similarity."""
     if not os.path.isfile(checkpoint):
         repo, _, filename = checkpoint.partition(":")
         from huggingface_hub import hf_hub_download
@@ -306,28 +319,7 @@ def hps_reward(checkpoint: str, device, arch: str = "ViT-H-14"):
         except Exception as e:
             fail(f"HPS checkpoint {checkpoint!r} is neither a local file nor downloadable ({type(e).__name__}); "
                  f"pass --hps-checkpoint /path/to/HPS_v2.1_compressed.pt")
-    model = open_clip.create_model(arch, pretrained=None)
-    state = load_safely(checkpoint)
-    model.load_state_dict(state.get("state_dict", state), strict=True)
-    model.eval().requires_grad_(False).to(device)
-    return _open_clip_cosine(model, open_clip.get_tokenizer(arch), model.visual.image_size[0]
-                             if isinstance(model.visual.image_size, (tuple, list)) else model.visual.image_size, True)
-
-
-def clip_reward(name: str, device):
-    """CLIP score (MixGRPO / G2RPO): cosine of normalised open_clip features; `name` is 'hf-hub:...' or a local
-    directory with open_clip_config.json and weights."""
-    import open_clip
-
-    name = f"local-dir:{name}" if os.path.isdir(name) else name
-    try:
-        model = open_clip.create_model(name)
-    except Exception as e:
-        fail(f"cannot load CLIP model {name!r} ({str(e).splitlines()[0][:200]}); pass --clip-model /local/dir")
-    model.eval().requires_grad_(False).to(device)
-    size = model.visual.image_size
-    return _open_clip_cosine(model, open_clip.get_tokenizer(name), size[0] if isinstance(size, (tuple, list)) else size,
-                             False)
+    return open_clip_reward(arch, device, checkpoint, pad_square=True)
 
 
 def pickscore_reward(model_path: str, processor_path: str, device):
@@ -382,7 +374,7 @@ def load_rewards(names, device, hps_checkpoint=None, clip_model=None, pickscore_
         if name == "hps":
             out[name] = hps_reward(hps_checkpoint or REWARD_DEFAULTS["hps"], device, hps_arch)
         elif name == "clip":
-            out[name] = clip_reward(clip_model or REWARD_DEFAULTS["clip"], device)
+            out[name] = open_clip_reward(clip_model or REWARD_DEFAULTS["clip"], device)  # CLIP score (MixGRPO, G2RPO)
         elif name == "pickscore":
             out[name] = pickscore_reward(pickscore_model or REWARD_DEFAULTS["pickscore"],
                                          pickscore_processor or REWARD_DEFAULTS["pickscore_processor"], device)

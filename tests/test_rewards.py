@@ -9,7 +9,7 @@ import pytest
 import torch
 from PIL import Image
 
-from common import clip_reward, hps_reward, jpeg_compressibility, load_rewards, load_safely, pickscore_reward, score
+from common import hps_reward, jpeg_compressibility, load_rewards, load_safely, pickscore_reward, score
 
 TINY_OPEN_CLIP = {"embed_dim": 16, "vision_cfg": {"image_size": 32, "layers": 1, "width": 32, "patch_size": 8,
                                                   "head_width": 16},

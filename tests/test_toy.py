@@ -136,7 +136,7 @@ def test_saved_pipeline_generates():
 def test_maker_runs_end_to_end(tmp_path):
     out, png = tmp_path / "pipe", tmp_path / "samples.png"
     cmd = [sys.executable, os.path.join(ROOT, "toy", "make_toy.py"), "--out", str(out), "--vae-steps", "2",
-           "--dit-steps", "2", "--batch-size", "4", "--pool", "8", "--threads", "1", "--no-eval"]
+           "--dit-steps", "2", "--batch-size", "4", "--vae-batch-size", "4", "--pool", "8", "--threads", "1", "--no-eval"]
     subprocess.run(cmd, check=True, capture_output=True, timeout=120)
     assert (out / "model_index.json").exists() and (out / "transformer" / "config.json").exists()
     subprocess.run(cmd[:2] + ["--out", str(out), "--samples-only", "--samples", str(png), "--threads", "1",
