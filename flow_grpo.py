@@ -63,6 +63,8 @@ class Args:
     """reward names: hps, clip, pickscore, jpeg, or the toy world's toy_color_position, toy_shape_count"""
     reward_weights: tuple[float, ...] = ()
     """one weight per reward (default: all 1)"""
+    eval_rewards: tuple[str, ...] = ()
+    """extra rewards scored only at evaluation, never trained on (e.g. the toy world's strict metric toy_strict)"""
     reward_combine: Literal["rewards", "advantages"] = "rewards"
     """'rewards': normalise the weighted sum of rewards (Flow-GRPO); 'advantages': normalise each reward, then sum (DanceGRPO)"""
     hps_checkpoint: str | None = None
@@ -145,11 +147,11 @@ class Args:
 
 # The embedded toy setting (--model toy): a ~2M-parameter Flux on 32x32 shapes. Flags passed explicitly still win.
 TOY = dict(model="toy", mixed_precision="no", resolution=32, max_sequence_length=16, guidance=3.5, prompts="toy",
-           eval_prompts="toy", rewards=("toy_color_position", "toy_shape_count"), reward_combine="advantages",
-           num_steps=16, eval_steps=16, group_size=12, prompts_per_iteration=8, micro_batch=48, noise_level=0.5,
-           timestep_fraction=0.5, global_std=False, full_finetune=True, learning_rate=1e-4, beta=0.04,
-           updates_per_iteration=1, ema=False, num_iterations=60, eval_every=20, eval_num=256, save_every=20,
-           log_images_every=20)
+           eval_prompts="toy", rewards=("toy_color_position", "toy_shape_count"), eval_rewards=("toy_strict",),
+           reward_combine="advantages", num_steps=16, eval_steps=16, group_size=12, prompts_per_iteration=8,
+           micro_batch=48, noise_level=0.5, timestep_fraction=0.5, global_std=False, full_finetune=True,
+           learning_rate=1e-4, beta=0.04, updates_per_iteration=1, ema=False, num_iterations=60, eval_every=20,
+           eval_num=256, save_every=20, log_images_every=20)
 
 
 def check_args(args, world: int):
@@ -197,8 +199,9 @@ if __name__ == "__main__":
     transformer = pipe.transformer
     C, H, W = latent_shape(pipe, kind, args.resolution)
     weights = dict(zip(args.rewards, args.reward_weights or [1.0] * len(args.rewards)))
-    reward_fns = load_rewards(args.rewards, device, args.hps_checkpoint, args.clip_model, args.pickscore_model,
-                              args.pickscore_processor)
+    reward_fns = load_rewards(dict.fromkeys(args.rewards + args.eval_rewards), device, args.hps_checkpoint,
+                              args.clip_model, args.pickscore_model, args.pickscore_processor)
+    eval_fns, reward_fns = reward_fns, {k: reward_fns[k] for k in args.rewards}
     train_prompts, eval_prompts = load_prompt_set(args.prompts, "train"), load_prompt_set(args.eval_prompts, "test")
     params = make_trainable(transformer, kind, args.lora_rank, args.lora_alpha, args.full_finetune)
     names = [n for n, p in transformer.named_parameters() if p.requires_grad]
@@ -245,7 +248,7 @@ if __name__ == "__main__":
             emb = encode_prompts(pipe, kind, prompts, args.max_sequence_length, args.guidance)
             x0 = ode_sample(transformer, kind, emb, noise.to(device), eval_sigmas, args.guidance, args.micro_batch)
             images = torch.cat([decode(pipe, z) for z in x0.split(args.micro_batch)])
-        scores = {k: gather_cat(v.to(device)).cpu() for k, v in score(reward_fns, images, prompts).items()}
+        scores = {k: gather_cat(v.to(device)).cpu() for k, v in score(eval_fns, images, prompts).items()}
         log_metrics(writer, run_dir, iteration, {f"eval/{k}": v.mean() for k, v in scores.items()})
 
     def checkpoint(iteration):
