@@ -1,12 +1,6 @@
 # Flow-GRPO (Liu et al., 2025, arXiv 2505.05470); docs: README.md#flow-grpo
-"""Flow-GRPO: online RL for flow-matching text-to-image models.
-
-The deterministic sampler is turned into a marginal-preserving SDE so that every denoising step is a Gaussian policy
-pi(x_{t-1} | x_t). A group of G images is sampled per prompt with SDE noise at every step, each image is scored once,
-the group-normalised reward (the advantage) is broadcast to every trained step, and the policy is updated with a
-PPO-clipped ratio of per-step log-likelihoods, optionally with a KL penalty to the frozen reference model.
-"""
-import copy
+"""Flow-GRPO: SDE noise at every step, one reward per image, the group-normalised reward broadcast to every trained
+step, a PPO-clipped ratio of per-step Gaussian log-likelihoods, and an optional KL to the reference model."""
 import os
 import time
 from dataclasses import dataclass
@@ -16,11 +10,12 @@ import torch
 import tyro
 from tqdm import tqdm
 
-from common import (NFE, adapters_disabled, apply_preset, average_gradients, broadcast_object, combine_advantages,
-                    decode, ema_update, encode_prompts, fail, gather_cat, image_grid, latent_shape, latest_checkpoint, load_pipeline,
-                    load_prompt_set, load_rewards, load_safely, log_metrics, make_trainable, make_writer, ode_sample,
-                    save_checkpoint, score, sde_step, seed_everything, select, setup_distributed, sigma_schedule,
-                    swapped_in, velocity)
+from common import (NFE, apply_preset, broadcast_object, clipped_policy_loss, combine_advantages, decode, ema_update,
+                    encode_prompts, fail, gather_cat, image_grid, latent_shape, latest_checkpoint, load_pipeline,
+                    load_prompt_set, load_rewards, load_safely, log_metrics, make_trainable, make_writer, ode_complete,
+                    optimizer_step, save_checkpoint, score, sde_step, seed_everything, select, setup_distributed,
+                    sigma_schedule, swapped_in, velocity)
+from common import reference_kl  # algorithm specific
 
 
 @dataclass
@@ -86,13 +81,13 @@ class Args:
     prompts_per_iteration: int = 48
     """prompts (groups) per iteration over all ranks; must be a multiple of the world size"""
     micro_batch: int = 12
-    """images per model forward, identical in sampling and training so the log-probs match bit for bit"""
+    """images per model forward, with the same micro-batches in sampling and training (log-probs match bit for bit)"""
     same_init_noise: bool = False
     """one initial noise per group (DanceGRPO's --init_same_noise); different groups and ranks still differ"""
 
     # Algorithm specific arguments
     noise_level: float = 0.7
-    """a: SDE noise level (std_dev_t = a*sqrt(sigma/(1-sigma)) for 'flow_grpo'; the constant eta for 'dance')"""
+    """a (eta): SDE noise level, std_dev_t = a*sqrt(sigma/(1-sigma)) ('flow_grpo') or the constant a ('dance')"""
     noise_form: Literal["flow_grpo", "dance"] = "flow_grpo"
     """SDE diffusion coefficient: Flow-GRPO's sigma-dependent one or DanceGRPO's constant eta"""
     timestep_fraction: float = 0.99
@@ -148,10 +143,10 @@ class Args:
 # The embedded toy setting (--model toy): a ~2M-parameter Flux on 32x32 shapes. Flags passed explicitly still win.
 TOY = dict(model="toy", mixed_precision="no", resolution=32, max_sequence_length=16, guidance=3.5, prompts="toy",
            eval_prompts="toy", rewards=("toy_color_position", "toy_shape_count"), eval_rewards=("toy_strict",),
-           reward_combine="advantages", num_steps=16, eval_steps=16, group_size=12, prompts_per_iteration=8,
-           micro_batch=48, noise_level=0.5, timestep_fraction=0.5, global_std=False, full_finetune=True,
-           learning_rate=1e-4, beta=0.04, updates_per_iteration=1, ema=False, num_iterations=60, eval_every=20,
-           eval_num=256, save_every=20, log_images_every=20)
+           reward_combine="advantages", num_steps=16, eval_steps=16, group_size=12, micro_batch=48, noise_level=0.5,
+           full_finetune=True, learning_rate=1e-4, ema=False, num_iterations=60, eval_every=20, eval_num=256,
+           save_every=20, log_images_every=20,
+           prompts_per_iteration=8, timestep_fraction=0.5, global_std=False, beta=0.04, updates_per_iteration=1)
 
 
 def check_args(args, world: int):
@@ -159,10 +154,6 @@ def check_args(args, world: int):
         fail(f"--group-size {args.group_size} is not allowed; GRPO needs at least 2 images per prompt")
     if args.noise_level < 0:
         fail(f"--noise-level {args.noise_level} is not allowed; use a value >= 0")
-    if not 0 < args.timestep_fraction <= 1:
-        fail(f"--timestep-fraction {args.timestep_fraction} is not allowed; use a value in (0, 1]")
-    if int(args.num_steps * args.timestep_fraction) < 1:
-        fail(f"--timestep-fraction {args.timestep_fraction} trains no step of {args.num_steps}; raise it")
     if args.num_steps < 1 or args.eval_steps < 1:
         fail(f"--num-steps {args.num_steps} / --eval-steps {args.eval_steps}: both must be >= 1")
     if args.prompts_per_iteration < world or args.prompts_per_iteration % world:
@@ -173,6 +164,11 @@ def check_args(args, world: int):
         fail(f"--eval-num {args.eval_num} is not a multiple of the world size {world}")
     if args.ema and args.full_finetune and world > 1:
         fail("--ema is not supported with sharded full fine-tuning (world size > 1); pass --no-ema")
+    # algorithm specific
+    if not 0 < args.timestep_fraction <= 1:
+        fail(f"--timestep-fraction {args.timestep_fraction} is not allowed; use a value in (0, 1]")
+    if int(args.num_steps * args.timestep_fraction) < 1:
+        fail(f"--timestep-fraction {args.timestep_fraction} trains no step of {args.num_steps}; raise it")
 
 
 if __name__ == "__main__":
@@ -203,9 +199,8 @@ if __name__ == "__main__":
                               args.clip_model, args.pickscore_model, args.pickscore_processor)
     eval_fns, reward_fns = reward_fns, {k: reward_fns[k] for k in args.rewards}
     train_prompts, eval_prompts = load_prompt_set(args.prompts, "train"), load_prompt_set(args.eval_prompts, "test")
-    params = make_trainable(transformer, kind, args.lora_rank, args.lora_alpha, args.full_finetune)
+    params, ref_model = make_trainable(transformer, kind, args.lora_rank, args.lora_alpha, args.full_finetune, args.beta > 0)
     names = [n for n, p in transformer.named_parameters() if p.requires_grad]
-    ref_model = copy.deepcopy(transformer).requires_grad_(False) if args.full_finetune and args.beta > 0 else None
     sharded = args.full_finetune and world > 1
     if sharded:  # FSDP2: shard every transformer block, then the root
         from torch.distributed.fsdp import fully_shard
@@ -246,7 +241,8 @@ if __name__ == "__main__":
         noise = torch.stack([torch.randn(C, H, W, generator=torch.Generator().manual_seed(10**6 + k)) for k in pairs])
         with swapped_in(params, ema), autocast():
             emb = encode_prompts(pipe, kind, prompts, args.max_sequence_length, args.guidance)
-            x0 = ode_sample(transformer, kind, emb, noise.to(device), eval_sigmas, args.guidance, args.micro_batch)
+            x0 = ode_complete(transformer, kind, noise.to(device), [list(range(args.eval_steps + 1))] * len(noise),
+                              eval_sigmas, emb, args.guidance, args.micro_batch)
             images = torch.cat([decode(pipe, z) for z in x0.split(args.micro_batch)])
         scores = {k: gather_cat(v.to(device)).cpu() for k, v in score(eval_fns, images, prompts).items()}
         log_metrics(writer, run_dir, iteration, {f"eval/{k}": v.mean() for k, v in scores.items()})
@@ -312,49 +308,29 @@ if __name__ == "__main__":
         all_scores = {k: gather_cat(v.view(P, G).to(device)).cpu() for k, v in scores.items()}
         advantages = combine_advantages(all_scores, weights, args.reward_combine, args.adv_eps, args.std_unbiased,
                                         args.global_std, args.adv_clip)[rank * P:(rank + 1) * P].reshape(-1).to(device)
-        if args.timestep_selection == "first":
-            train_steps = list(range(n_train))
-        else:
-            train_steps = sorted(torch.randperm(T - 1, generator=gen)[:min(n_train, T - 1)].tolist())
+        train_steps = list(range(n_train)) if args.timestep_selection == "first" else sorted(
+            torch.randperm(T - 1, generator=gen)[:min(n_train, T - 1)].tolist())  # DanceGRPO: a random subset
 
         # ALGO LOGIC: policy update (PPO-clipped ratio of per-step log-probs, optional KL to the reference)
-        stats = torch.zeros(6, device=device)  # ratio, clipfrac, approx_kl, policy loss, kl, terms
-        first_dev, grad_norms = 0.0, []
+        stats, first_dev, grad_norms = torch.zeros(6, device=device), 0.0, []
         for u, mb in enumerate(torch.tensor_split(torch.arange(len(chunks)), args.updates_per_iteration)):
             n_terms = sum(len(chunks[c]) for c in mb) * len(train_steps)
-            for j in train_steps:
-                for c in (chunks[k] for k in mb):
-                    if not sharded and args.beta == 0 and (advantages[c] == 0).all():
-                        continue  # zero advantage and no KL: no gradient
-                    with autocast():
-                        v = velocity(transformer, kind, latents[j][c], sigmas[j], select(emb, group[c]), args.guidance)
-                    _, log_prob, mean, std = sde_step(v, latents[j][c], sigmas, j, args.noise_level,
-                                                      prev_sample=latents[j + 1][c], form=args.noise_form)
-                    ratio = torch.exp(log_prob - old_log_probs[j][c])
-                    a = advantages[c]
-                    policy_loss = torch.max(-a * ratio, -a * ratio.clamp(1 - args.clip_range, 1 + args.clip_range)).mean()
-                    kl = torch.zeros((), device=device)
-                    if args.beta > 0:  # KL of the two Gaussian steps: |mu - mu_ref|^2 / (2 std^2), per-element mean
-                        with torch.no_grad(), autocast(), adapters_disabled(transformer, ref_model is None):
-                            v_ref = velocity(ref_model or transformer, kind, latents[j][c], sigmas[j],
-                                             select(emb, group[c]), args.guidance)
-                        mean_ref = sde_step(v_ref, latents[j][c], sigmas, j, args.noise_level,
-                                            prev_sample=latents[j + 1][c], form=args.noise_form)[2]
-                        kl = ((mean - mean_ref) ** 2).mean(dim=(1, 2, 3)).mean() / (2 * std**2)
-                    loss = policy_loss + args.beta * kl
-                    (loss * len(c) / n_terms).backward()
-                    if u == 0:
-                        first_dev = max(first_dev, (ratio.detach() - 1).abs().max().item())
-                    d = log_prob.detach() - old_log_probs[j][c]
-                    stats += torch.stack([ratio.detach().sum(), ((ratio.detach() - 1).abs() > args.clip_range).float().sum(),
-                                          (0.5 * d**2).sum(), policy_loss.detach() * len(c), kl.detach() * len(c),
-                                          torch.tensor(float(len(c)), device=device)])
-            if not sharded:
-                average_gradients(params)
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
-            grad_norms.append(float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm))
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            for j, c in ((j, chunks[m]) for j in train_steps for m in mb):
+                if not sharded and args.beta == 0 and (advantages[c] == 0).all():
+                    continue  # zero advantage and no KL: no gradient
+                with autocast():
+                    v = velocity(transformer, kind, latents[j][c], sigmas[j], select(emb, group[c]), args.guidance)
+                _, log_prob, mean, std = sde_step(v, latents[j][c], sigmas, j, args.noise_level,
+                                                  prev_sample=latents[j + 1][c], form=args.noise_form)
+                with autocast():  # KL to the reference on the step means (Flow-GRPO); 0 without beta
+                    kl = reference_kl(ref_model or transformer, kind, latents[j][c], sigmas, j, select(emb, group[c]),
+                                      args.guidance, args.noise_level, latents[j + 1][c], args.noise_form, mean, std,
+                                      ref_model is None) if args.beta > 0 else None
+                loss, sums, dev = clipped_policy_loss(log_prob, old_log_probs[j][c], advantages[c], args.clip_range, kl, args.beta)
+                (loss * len(c) / n_terms).backward()
+                stats += sums
+                first_dev = max(first_dev, dev) if u == 0 else first_dev
+            grad_norms.append(optimizer_step(params, optimizer, args.max_grad_norm, sharded))
             if ema is not None and (iteration * args.updates_per_iteration + u + 1) % args.ema_every == 0:
                 ema_update(ema, params, args.ema_decay)
 
