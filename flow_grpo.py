@@ -326,7 +326,8 @@ if __name__ == "__main__":
                     kl = reference_kl(ref_model or transformer, kind, latents[j][c], sigmas, j, select(emb, group[c]),
                                       args.guidance, args.noise_level, latents[j + 1][c], args.noise_form, mean, std,
                                       ref_model is None) if args.beta > 0 else None
-                loss, sums, dev = clipped_policy_loss(log_prob, old_log_probs[j][c], advantages[c], args.clip_range, kl, args.beta)
+                loss, sums, dev = clipped_policy_loss(log_prob, old_log_probs[j][c], advantages[c], args.clip_range, kl,
+                                                      args.beta)
                 (loss * len(c) / n_terms).backward()
                 stats += sums
                 first_dev = max(first_dev, dev) if u == 0 else first_dev
