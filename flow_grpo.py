@@ -294,8 +294,9 @@ if __name__ == "__main__":
         with torch.no_grad(), autocast():
             emb = encode_prompts(pipe, kind, prompts, args.max_sequence_length, args.guidance)
             for i in range(T):
-                steps = [sde_step(velocity(transformer, kind, latents[i][c], sigmas[i], select(emb, group[c]), args.guidance),
-                                  latents[i][c], sigmas, i, args.noise_level, generator=gen, form=args.noise_form)
+                v = torch.cat([velocity(transformer, kind, latents[i][c], sigmas[i], select(emb, group[c]), args.guidance)
+                               for c in chunks])
+                steps = [sde_step(v[c], latents[i][c], sigmas, i, args.noise_level, generator=gen, form=args.noise_form)
                          for c in chunks]
                 latents.append(torch.cat([s[0] for s in steps]))
                 old_log_probs.append(torch.cat([s[1] for s in steps]))
@@ -343,7 +344,7 @@ if __name__ == "__main__":
         flat = torch.stack([(v.max(1).values == v.min(1).values) for v in all_scores.values()]).all(0)
         metrics.update({"reward/zero_std_fraction": flat.float().mean(), "train/ratio_mean": stats[0] / n,
                         "train/clipfrac": stats[1] / n, "train/approx_kl": stats[2] / n, "train/policy_loss": stats[3] / n,
-                        "train/kl": stats[4] / n, "train/grad_norm": sum(grad_norms) / len(grad_norms),
+                        "train/kl": stats[4] / n, "train/grad_norm": sum(grad_norms) / max(len(grad_norms), 1),
                         "train/first_ratio_max_dev": first_dev, "perf/nfe_rollout_per_prompt": nfe_rollout / P,
                         "perf/nfe_per_iteration": (NFE["count"] - nfe_start) * world,
                         "perf/rollout_seconds": t_rollout, "perf/seconds_per_iteration": time.time() - t_start})

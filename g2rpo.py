@@ -227,8 +227,7 @@ if __name__ == "__main__":
     sigmas, eval_sigmas = sigma_schedule(args.num_steps, args.shift), sigma_schedule(args.eval_steps, args.shift)
     P, G, T = args.prompts_per_iteration // world, args.group_size, args.num_steps
     M, L = sorted(args.sde_steps), len(args.lambdas)
-    nfe_min = max(M) + 1 + G * sum((k + 1 < T) * (1 + sum(-(-(T - k - 1) // lam) - 1 for lam in args.lambdas))
-                                   for k in M)  # the closed-form minimum per prompt: anchor, then per member and k
+    nfe_min = max(M) + 1 + G * sum((k + 1 < T) * (1 + sum(-(-(T - k - 1) // lam) - 1 for lam in args.lambdas)) for k in M)
 
     def evaluate(iteration):
         """ODE samples (noise 0) with eval_steps on fixed held-out prompt/seed pairs, scored by every reward."""
@@ -342,7 +341,7 @@ if __name__ == "__main__":
         flat = torch.stack([(v.max(1).values == v.min(1).values) for v in all_scores.values()]).all(0)
         metrics.update({"reward/zero_std_fraction": flat.float().mean(), "train/ratio_mean": stats[0] / n,
                         "train/clipfrac": stats[1] / n, "train/approx_kl": stats[2] / n, "train/policy_loss": stats[3] / n,
-                        "train/kl": stats[4] / n, "train/grad_norm": sum(grad_norms) / len(grad_norms),
+                        "train/kl": stats[4] / n, "train/grad_norm": sum(grad_norms) / max(len(grad_norms), 1),
                         "train/first_ratio_max_dev": first_dev, "perf/nfe_rollout_per_prompt": nfe_rollout / P,
                         "perf/nfe_min_per_prompt": nfe_min,
                         "perf/nfe_per_iteration": (NFE["count"] - nfe_start) * world,

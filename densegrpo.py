@@ -1,0 +1,427 @@
+# DenseGRPO (arXiv 2601.20218); docs: README.md#densegrpo
+"""DenseGRPO: Flow-GRPO's SDE trajectories, but each step gets its own reward: the change in the reward of the ODE
+completion of the latent before and after the step; plus a per-step noise level psi(t) calibrated to the reward."""
+import json
+import os
+import time
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import tyro
+from tqdm import tqdm
+
+from common import (NFE, apply_preset, broadcast_object, clipped_policy_loss, combine_advantages, decode, ema_update,
+                    encode_prompts, fail, gather_cat, image_grid, latent_shape, latest_checkpoint, load_pipeline,
+                    load_prompt_set, load_rewards, load_safely, log_metrics, make_trainable, make_writer, ode_complete,
+                    optimizer_step, save_checkpoint, score, sde_step, seed_everything, select, setup_distributed,
+                    sigma_schedule, swapped_in, velocity)
+from common import ode_complete, reference_kl, strided_indices  # algorithm specific
+
+
+@dataclass
+class Args:
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """the name of this experiment (part of the run name)"""
+    seed: int = 0
+    """seed of the experiment (prompts, noise and model initialisation)"""
+    torch_deterministic: bool = True
+    """sets `torch.backends.cudnn.deterministic`"""
+    track: bool = False
+    """also log to Weights and Biases (syncs the TensorBoard logs)"""
+    wandb_project: str = "flow-rl"
+    """the wandb project name"""
+    output_dir: str = "runs"
+    """logs and checkpoints go to <output_dir>/<run_name>"""
+    resume: str | None = None
+    """a run directory (or one of its checkpoints) to continue from its latest checkpoint"""
+
+    # Model
+    model: str = "sd3.5-medium"
+    """a hub id, a local pipeline directory, or an alias: sd3.5-medium, flux-dev, toy (the embedded toy setting)"""
+    mixed_precision: Literal["no", "bf16", "fp16"] = "bf16"
+    """autocast dtype for model forwards on CUDA (frozen weights are stored in it); the SDE math is always float32"""
+    resolution: int = 512
+    """image height and width in pixels"""
+    max_sequence_length: int = 256
+    """T5 prompt length in tokens"""
+    guidance: float = 4.5
+    """classifier-free guidance scale (SD3, empty negative prompt) or guidance embedding (Flux)"""
+    shift: float = 3.0
+    """schedule shift: sigma = shift*u / (1 + (shift-1)*u) on u = linspace(1, 0, T+1)"""
+
+    # Data and rewards
+    prompts: str = "data/pickscore/train.txt"
+    """training prompts, one per line ('toy' for the toy world's grammar)"""
+    eval_prompts: str = "data/pickscore/test.txt"
+    """held-out evaluation prompts, one per line ('toy' for the toy world's grammar)"""
+    rewards: tuple[str, ...] = ("pickscore",)
+    """reward names: hps, clip, pickscore, jpeg, or the toy world's toy_color_position, toy_shape_count"""
+    reward_weights: tuple[float, ...] = ()
+    """one weight per reward (default: all 1)"""
+    eval_rewards: tuple[str, ...] = ()
+    """extra rewards scored only at evaluation, never trained on (e.g. the toy world's strict metric toy_strict)"""
+    reward_combine: Literal["rewards", "advantages"] = "rewards"
+    """'rewards': normalise the weighted sum of rewards (Flow-GRPO); 'advantages': normalise each reward, then sum (DanceGRPO)"""
+    hps_checkpoint: str | None = None
+    """local HPS_v2.1_compressed.pt (default: downloaded from the hub repo xswu/HPSv2)"""
+    clip_model: str | None = None
+    """open_clip model for the CLIP score: a local directory or 'hf-hub:...' (default: apple/DFN5B-CLIP-ViT-H-14-384)"""
+    pickscore_model: str | None = None
+    """PickScore CLIPModel directory or hub id (default: yuvalkirstain/PickScore_v1)"""
+    pickscore_processor: str | None = None
+    """PickScore processor directory or hub id (default: laion/CLIP-ViT-H-14-laion2B-s32B-b79K)"""
+
+    # Sampling
+    num_steps: int = 10
+    """T, the number of sampling steps during training"""
+    eval_steps: int = 40
+    """ODE sampling steps for evaluation"""
+    group_size: int = 24
+    """G, images per prompt (a group never spans ranks)"""
+    prompts_per_iteration: int = 48
+    """prompts (groups) per iteration over all ranks; must be a multiple of the world size"""
+    micro_batch: int = 12
+    """images per model forward, with the same micro-batches in sampling and training (log-probs match bit for bit)"""
+    same_init_noise: bool = False
+    """one initial noise per group (DanceGRPO's --init_same_noise); different groups and ranks still differ"""
+
+    # Algorithm specific arguments
+    noise_level: float = 0.7
+    """a (eta): SDE noise level, std_dev_t = a*sqrt(sigma/(1-sigma)) ('flow_grpo') or the constant a ('dance');
+    the uniform psi(t) when --psi is not given"""
+    psi: str | None = None
+    """JSON file with the per-step noise levels psi (one per sampling step, index 0 = the noisiest), from --calibrate"""
+    dense_ode_steps: int = 0
+    """n: ODE steps that complete a latent x_t for its latent reward (0: n = t, all remaining sampler steps)"""
+    dense_baseline: bool = False
+    """the paper's "Dense Reward (Baseline)" ablation: normalise R_{t-1} itself instead of Delta R_t = R_{t-1} - R_t"""
+    calibrate: bool = False
+    """run the reward-aware exploration calibration (Algorithm 1) instead of training; writes psi to --psi-out"""
+    psi_out: str | None = None
+    """where --calibrate writes psi (default: <run dir>/psi.json)"""
+    eps1: float = 2.0
+    """calibration: psi(t) rises when |#(Delta R_t > 0) - #(Delta R_t < 0)| < eps1, else falls"""
+    eps2: float = 0.01
+    """calibration: the step by which psi(t) moves"""
+    psi_range: tuple[float, float] = (0.1, 1.5)
+    """calibration: psi is clamped to this range"""
+    noise_form: Literal["flow_grpo", "dance"] = "flow_grpo"
+    """SDE diffusion coefficient: Flow-GRPO's sigma-dependent one or DanceGRPO's constant eta"""
+    timestep_fraction: float = 0.99
+    """fraction of the T steps that are trained: int(T * fraction) steps"""
+    timestep_selection: Literal["first", "random"] = "first"
+    """train the first int(T*fraction) steps in order (Flow-GRPO) or a random subset of the first T-1 (DanceGRPO)"""
+    global_std: bool = False
+    """normalise by the std of all rewards of the iteration instead of each group's"""
+    std_unbiased: bool = False
+    """use the unbiased (n-1) std (DanceGRPO, G2RPO) instead of the population std (Flow-GRPO)"""
+    adv_eps: float = 1e-4
+    """added to the std in the advantage denominator"""
+    adv_clip: float = 5.0
+    """advantages are clipped to +-adv_clip"""
+    clip_range: float = 1e-4
+    """PPO ratio clip range"""
+    beta: float = 0.01
+    """KL coefficient against the reference model (LoRA disabled, or a frozen copy when fully fine-tuning)"""
+
+    # Optimisation
+    full_finetune: bool = False
+    """train every transformer weight (FSDP2 across ranks) instead of LoRA adapters"""
+    lora_rank: int = 32
+    """LoRA rank"""
+    lora_alpha: int = 64
+    """LoRA alpha"""
+    learning_rate: float = 3e-4
+    """AdamW learning rate (constant)"""
+    weight_decay: float = 1e-4
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient-norm clip"""
+    updates_per_iteration: int = 2
+    """optimizer steps per iteration (the samples are split into this many mini-batches; the first is on-policy)"""
+    ema: bool = True
+    """keep an EMA of the trainable weights for evaluation and the exported weights"""
+    ema_decay: float = 0.9
+    """EMA decay"""
+    ema_every: int = 8
+    """EMA update interval in optimizer steps"""
+    num_iterations: int = 300
+    """number of iterations (rollout + update)"""
+    eval_every: int = 30
+    """evaluate every N iterations and at the end (0: never)"""
+    eval_num: int = 512
+    """held-out prompt/seed pairs per evaluation"""
+    save_every: int = 30
+    """checkpoint every N iterations and at the end (0: only at the end)"""
+    log_images_every: int = 10
+    """log a grid of one group's images every N iterations"""
+
+
+# The embedded toy setting (--model toy): a ~2M-parameter Flux on 32x32 shapes. Flags passed explicitly still win.
+TOY = dict(model="toy", mixed_precision="no", resolution=32, max_sequence_length=16, guidance=3.5, prompts="toy",
+           eval_prompts="toy", rewards=("toy_color_position", "toy_shape_count"), eval_rewards=("toy_strict",),
+           reward_combine="advantages", num_steps=16, eval_steps=16, group_size=12, micro_batch=48, noise_level=0.5,
+           full_finetune=True, learning_rate=1e-4, ema=False, num_iterations=60, eval_every=20, eval_num=256,
+           save_every=20, log_images_every=20,
+           prompts_per_iteration=8, timestep_fraction=0.5, global_std=False, beta=0.04, updates_per_iteration=1)
+
+
+def check_args(args, world: int):
+    if args.group_size < 2:
+        fail(f"--group-size {args.group_size} is not allowed; GRPO needs at least 2 images per prompt")
+    if args.noise_level < 0:
+        fail(f"--noise-level {args.noise_level} is not allowed; use a value >= 0")
+    if args.num_steps < 1 or args.eval_steps < 1:
+        fail(f"--num-steps {args.num_steps} / --eval-steps {args.eval_steps}: both must be >= 1")
+    if args.prompts_per_iteration < world or args.prompts_per_iteration % world:
+        fail(f"--prompts-per-iteration {args.prompts_per_iteration} is not a positive multiple of the world size {world}")
+    if args.reward_weights and len(args.reward_weights) != len(args.rewards):
+        fail(f"--reward-weights has {len(args.reward_weights)} values for {len(args.rewards)} rewards; give one per reward")
+    if args.eval_every and args.eval_num % world:
+        fail(f"--eval-num {args.eval_num} is not a multiple of the world size {world}")
+    if args.ema and args.full_finetune and world > 1:
+        fail("--ema is not supported with sharded full fine-tuning (world size > 1); pass --no-ema")
+    # algorithm specific
+    if not 0 <= args.dense_ode_steps <= args.num_steps:
+        fail(f"--dense-ode-steps {args.dense_ode_steps} is not allowed; use 1..{args.num_steps} (or 0 for n = t)")
+    if args.eps1 <= 0 or args.eps2 <= 0:
+        fail(f"--eps1 {args.eps1} / --eps2 {args.eps2}: both must be > 0")
+    if not 0 < args.timestep_fraction <= 1:
+        fail(f"--timestep-fraction {args.timestep_fraction} is not allowed; use a value in (0, 1]")
+    if int(args.num_steps * args.timestep_fraction) < 1:
+        fail(f"--timestep-fraction {args.timestep_fraction} trains no step of {args.num_steps}; raise it")
+
+
+def load_psi(path: str, num_steps: int) -> list[float]:
+    """psi(t) from a JSON file written by --calibrate ({"psi": [...]}, or a bare list), one value per sampling step."""
+    if not os.path.isfile(path):
+        fail(f"--psi file {path!r} does not exist; write one with --calibrate")
+    with open(path) as f:
+        psi = json.load(f)
+    psi = psi["psi"] if isinstance(psi, dict) else psi
+    if len(psi) != num_steps:
+        fail(f"--psi {path!r} has {len(psi)} values; --num-steps {num_steps} needs exactly one per step")
+    if min(psi) < 0:
+        fail(f"--psi {path!r} has negative values {[p for p in psi if p < 0]}; noise levels must be >= 0")
+    return [float(p) for p in psi]
+
+
+def calibrate_step(psi: list, delta_r, eps1: float, eps2: float, psi_range) -> list[float]:
+    """Algorithm 1, one iteration: for each step t, psi(t) += eps2 if |#(Delta R_t > 0) - #(Delta R_t < 0)| < eps1
+    (balanced outcomes: explore more), else psi(t) -= eps2; then clamp. delta_r: [N trajectories, T steps]."""
+    balance = ((delta_r > 0).sum(0) - (delta_r < 0).sum(0)).abs()
+    new = torch.tensor(psi, dtype=torch.float64) + eps2 * (2 * (balance < eps1).double() - 1)
+    return new.clamp(*psi_range).tolist()
+
+
+if __name__ == "__main__":
+    args = tyro.cli(Args)
+    if args.model == "toy":
+        apply_preset(args, TOY)
+    rank, world, device = setup_distributed()
+    check_args(args, world)
+
+    # TRY NOT TO MODIFY: run name, logging, seeding
+    ckpt = latest_checkpoint(args.resume) if args.resume else None
+    if args.resume and ckpt is None:
+        fail(f"--resume {args.resume!r} holds no checkpoint; pass a run directory with checkpoints/iter_*")
+    run_name = f"{os.path.basename(args.model.rstrip('/'))}__{args.exp_name}__{args.seed}__{int(time.time())}"
+    run_dir = os.path.dirname(os.path.dirname(ckpt)) if ckpt else broadcast_object(os.path.join(args.output_dir, run_name))
+    if rank == 0:
+        os.makedirs(run_dir, exist_ok=True)
+    writer = make_writer(run_dir, args, args.track, args.wandb_project, rank)
+    seed_everything(args.seed, args.torch_deterministic)
+
+    # TRY NOT TO MODIFY: model, rewards, prompts, optimizer
+    amp = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.mixed_precision) if device.type == "cuda" else None
+    pipe, kind = load_pipeline(args.model, device, amp or torch.float32)
+    transformer = pipe.transformer
+    C, H, W = latent_shape(pipe, kind, args.resolution)
+    weights = dict(zip(args.rewards, args.reward_weights or [1.0] * len(args.rewards)))
+    reward_fns = load_rewards(dict.fromkeys(args.rewards + args.eval_rewards), device, args.hps_checkpoint,
+                              args.clip_model, args.pickscore_model, args.pickscore_processor)
+    eval_fns, reward_fns = reward_fns, {k: reward_fns[k] for k in args.rewards}
+    train_prompts, eval_prompts = load_prompt_set(args.prompts, "train"), load_prompt_set(args.eval_prompts, "test")
+    params, ref_model = make_trainable(transformer, kind, args.lora_rank, args.lora_alpha, args.full_finetune, args.beta > 0)
+    names = [n for n, p in transformer.named_parameters() if p.requires_grad]
+    sharded = args.full_finetune and world > 1
+    if sharded:  # FSDP2: shard every transformer block, then the root
+        from torch.distributed.fsdp import fully_shard
+
+        for block in list(transformer.transformer_blocks) + list(getattr(transformer, "single_transformer_blocks", [])):
+            fully_shard(block)
+        fully_shard(transformer)
+        params = [p for p in transformer.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=args.learning_rate, betas=(0.9, 0.999), weight_decay=args.weight_decay,
+                                  eps=1e-8)
+    ema = [p.detach().float().clone() for p in params] if args.ema else None
+    autocast = lambda: torch.autocast(device.type, dtype=amp, enabled=amp is not None)  # noqa: E731
+    start = 0
+    if ckpt:
+        state = load_safely(os.path.join(ckpt, "state.pt"))
+        if sharded:
+            from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                                 set_optimizer_state_dict)
+
+            opts = StateDictOptions(full_state_dict=True, strict=False)
+            set_model_state_dict(transformer, state["trainable"], options=opts)
+            set_optimizer_state_dict(transformer, optimizer, state["optimizer"], options=opts)
+        else:
+            with torch.no_grad():
+                for p, n in zip(params, names):
+                    p.copy_(state["trainable"][n])
+            optimizer.load_state_dict(state["optimizer"])
+        ema = [state["ema"][n].to(device) for n in names] if args.ema else None
+        start = state["iteration"]
+    sigmas, eval_sigmas = sigma_schedule(args.num_steps, args.shift), sigma_schedule(args.eval_steps, args.shift)
+    P, G, T = args.prompts_per_iteration // world, args.group_size, args.num_steps
+    n_train = int(T * args.timestep_fraction)
+    psi = [args.noise_level] * T if args.psi is None else load_psi(args.psi, T)  # psi(t) replaces Flow-GRPO's a
+    paths = [strided_indices(i, T, -(-(T - i) // min(args.dense_ode_steps or T, T - i))) for i in range(T)]  # ODE_n(x_i)
+    nfe_min = G * (T + sum(len(p) - 2 for p in paths))  # per prompt: the sampler, then completions reusing v(x_i)
+
+    def evaluate(iteration):
+        """ODE samples (noise 0) with eval_steps on fixed held-out prompt/seed pairs, scored by every reward."""
+        pairs = list(range(rank, args.eval_num, world))
+        prompts = [eval_prompts[k % len(eval_prompts)] for k in pairs]
+        noise = torch.stack([torch.randn(C, H, W, generator=torch.Generator().manual_seed(10**6 + k)) for k in pairs])
+        with swapped_in(params, ema), autocast():
+            emb = encode_prompts(pipe, kind, prompts, args.max_sequence_length, args.guidance)
+            x0 = ode_complete(transformer, kind, noise.to(device), [list(range(args.eval_steps + 1))] * len(noise),
+                              eval_sigmas, emb, args.guidance, args.micro_batch)
+            images = torch.cat([decode(pipe, z) for z in x0.split(args.micro_batch)])
+        scores = {k: gather_cat(v.to(device)).cpu() for k, v in score(eval_fns, images, prompts).items()}
+        log_metrics(writer, run_dir, iteration, {f"eval/{k}": v.mean() for k, v in scores.items()})
+
+    def checkpoint(iteration):
+        """Atomic checkpoint: exported weights (LoRA in diffusers format or the transformer), optimizer, EMA, step."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        full = get_model_state_dict(transformer, options=opts) if sharded else dict(transformer.state_dict())
+        trainable = {n: full[n].detach().cpu().clone() for n in names} if rank == 0 else {}
+        optim = get_optimizer_state_dict(transformer, optimizer, options=opts) if sharded else optimizer.state_dict()
+        if rank != 0:
+            return
+
+        def write(tmp):
+            torch.save({"iteration": iteration, "trainable": trainable, "optimizer": optim, "args": vars(args),
+                        "ema": dict(zip(names, (e.cpu() for e in ema))) if ema else None}, os.path.join(tmp, "state.pt"))
+            export = dict(full, **dict(zip(names, (e.cpu() for e in ema)))) if ema else full
+            if args.full_finetune:
+                from safetensors.torch import save_file
+
+                os.makedirs(os.path.join(tmp, "transformer"))
+                transformer.save_config(os.path.join(tmp, "transformer"))
+                save_file({k: v.contiguous().cpu() for k, v in export.items()},
+                          os.path.join(tmp, "transformer", "diffusion_pytorch_model.safetensors"))
+            else:
+                from peft.utils import get_peft_model_state_dict
+
+                with swapped_in(params, ema):
+                    type(pipe).save_lora_weights(os.path.join(tmp, "lora"), get_peft_model_state_dict(transformer))
+
+        save_checkpoint(os.path.join(run_dir, "checkpoints", f"iter_{iteration}"), write)
+
+    if start == 0 and args.eval_every:
+        evaluate(0)  # the base model
+    pbar = tqdm(range(start, args.num_iterations), disable=rank != 0, desc="iterations", initial=start,
+                total=args.num_iterations)
+    for iteration in pbar:
+        t_start, nfe_start = time.time(), NFE["count"]
+        gen = torch.Generator().manual_seed(args.seed * 100_003 + iteration * 1009 + rank)  # resume-exact randomness
+
+        # ALGO LOGIC: rollout (SDE with psi(t) at every step), then ODE completions of every latent
+        prompts = [train_prompts[i] for i in torch.randint(len(train_prompts), (P,), generator=gen)]
+        group = torch.arange(P).repeat_interleave(G)  # sample -> its prompt
+        x = torch.randn(P, 1 if args.same_init_noise else G, C, H, W, generator=gen).expand(P, G, C, H, W)
+        latents, old_log_probs, velocities = [x.reshape(P * G, C, H, W).to(device)], [], []
+        chunks = torch.arange(P * G).split(args.micro_batch)
+        with torch.no_grad(), autocast():
+            emb = encode_prompts(pipe, kind, prompts, args.max_sequence_length, args.guidance)
+            for i in range(T):
+                v = torch.cat([velocity(transformer, kind, latents[i][c], sigmas[i], select(emb, group[c]), args.guidance)
+                               for c in chunks])
+                steps = [sde_step(v[c], latents[i][c], sigmas, i, psi[i], generator=gen, form=args.noise_form) for c in chunks]
+                velocities.append(v)
+                latents.append(torch.cat([s[0] for s in steps]))
+                old_log_probs.append(torch.cat([s[1] for s in steps]))
+            x0 = ode_complete(transformer, kind, torch.cat(latents[:T]), [p for p in paths for _ in range(P * G)], sigmas,
+                              select(emb, group.repeat(T)), args.guidance, args.micro_batch, torch.cat(velocities))
+            x0, rows = torch.cat([x0, latents[T]]), group.repeat(T + 1)  # the final latent is already clean: R_0
+            parts = [score(reward_fns, decode(pipe, x0[c]), [prompts[g] for g in rows[c]])
+                     for c in torch.arange(len(x0)).split(args.micro_batch)]
+            images = decode(pipe, latents[-1][:G])
+        nfe_rollout = NFE["count"] - nfe_start
+        t_rollout = time.time() - t_start
+
+        # ALGO LOGIC: dense rewards Delta R_t = R(x_{t-1}) - R(x_t) per step, and per-step group advantages
+        latent_rewards = {k: torch.cat([p[k] for p in parts]).view(T + 1, P * G) for k in reward_fns}  # R(x_i), i = 0..T
+        dense = {k: v[1:] if args.dense_baseline else v[1:] - v[:-1] for k, v in latent_rewards.items()}  # [T, P * G]
+        scores = {k: v[T] for k, v in latent_rewards.items()}  # the final images' rewards
+        all_scores = {k: gather_cat(v.view(P, G).to(device)).cpu() for k, v in scores.items()}
+        advantages = torch.stack([combine_advantages(
+            {k: gather_cat(d[i].view(P, G).to(device)).cpu() for k, d in dense.items()}, weights, args.reward_combine,
+            args.adv_eps, args.std_unbiased, args.global_std, args.adv_clip)[rank * P:(rank + 1) * P].reshape(-1)
+            for i in range(T)]).to(device)
+        if args.calibrate:  # Algorithm 1 on the weighted dense reward of every trajectory of every rank
+            delta_r = gather_cat(sum(weights[k] * (v[1:] - v[:-1]) for k, v in latent_rewards.items()).T.contiguous().to(device))
+            psi = calibrate_step(psi, delta_r.cpu(), args.eps1, args.eps2, args.psi_range)
+        train_steps = list(range(n_train)) if args.timestep_selection == "first" else sorted(
+            torch.randperm(T - 1, generator=gen)[:min(n_train, T - 1)].tolist())  # DanceGRPO: a random subset
+
+        # ALGO LOGIC: policy update (PPO-clipped ratio of per-step log-probs, optional KL to the reference)
+        stats, first_dev, grad_norms = torch.zeros(6, device=device), 0.0, []
+        for u, mb in enumerate([] if args.calibrate else torch.tensor_split(torch.arange(len(chunks)), args.updates_per_iteration)):
+            n_terms = sum(len(chunks[c]) for c in mb) * len(train_steps)
+            for j, c in ((j, chunks[m]) for j in train_steps for m in mb):
+                if not sharded and args.beta == 0 and (advantages[j][c] == 0).all():
+                    continue  # zero advantage and no KL: no gradient
+                with autocast():
+                    v = velocity(transformer, kind, latents[j][c], sigmas[j], select(emb, group[c]), args.guidance)
+                _, log_prob, mean, std = sde_step(v, latents[j][c], sigmas, j, psi[j],
+                                                  prev_sample=latents[j + 1][c], form=args.noise_form)
+                with autocast():  # KL to the reference on the step means (Flow-GRPO); 0 without beta
+                    kl = reference_kl(ref_model or transformer, kind, latents[j][c], sigmas, j, select(emb, group[c]),
+                                      args.guidance, psi[j], latents[j + 1][c], args.noise_form, mean, std,
+                                      ref_model is None) if args.beta > 0 else None
+                loss, sums, dev = clipped_policy_loss(log_prob, old_log_probs[j][c], advantages[j][c], args.clip_range, kl,
+                                                      args.beta)
+                (loss * len(c) / n_terms).backward()
+                stats += sums
+                first_dev = max(first_dev, dev) if u == 0 else first_dev
+            grad_norms.append(optimizer_step(params, optimizer, args.max_grad_norm, sharded))
+            if ema is not None and (iteration * args.updates_per_iteration + u + 1) % args.ema_every == 0:
+                ema_update(ema, params, args.ema_decay)
+
+        # TRY NOT TO MODIFY: logging, evaluation, checkpoints
+        stats = gather_cat(stats[None]).sum(0)
+        n = stats[5].clamp(min=1)
+        metrics = {f"reward/{k}_mean": v.mean() for k, v in all_scores.items()}
+        metrics.update({f"reward/{k}_std": v.std() for k, v in all_scores.items()})
+        flat = torch.stack([(v.max(1).values == v.min(1).values) for v in all_scores.values()]).all(0)
+        metrics.update({"reward/zero_std_fraction": flat.float().mean(), "train/ratio_mean": stats[0] / n,
+                        "train/clipfrac": stats[1] / n, "train/approx_kl": stats[2] / n, "train/policy_loss": stats[3] / n,
+                        "train/kl": stats[4] / n, "train/grad_norm": sum(grad_norms) / max(len(grad_norms), 1),
+                        "train/first_ratio_max_dev": first_dev, "perf/nfe_rollout_per_prompt": nfe_rollout / P,
+                        "perf/nfe_min_per_prompt": nfe_min, **{f"psi/step_{i}": p for i, p in enumerate(psi)},
+                        "perf/nfe_per_iteration": (NFE["count"] - nfe_start) * world,
+                        "perf/rollout_seconds": t_rollout, "perf/seconds_per_iteration": time.time() - t_start})
+        log_metrics(writer, run_dir, iteration + 1, metrics)
+        pbar.set_postfix(reward=f"{sum(v.mean() for v in all_scores.values()).item():.3f}", ratio=f"{first_dev:.1e}")
+        if writer is not None and args.log_images_every and (iteration + 1) % args.log_images_every == 0:
+            caption = lambda k: f"{prompts[0][:40]}\n" + " ".join(f"{n}={v[k]:.3f}" for n, v in scores.items())  # noqa: E731
+            writer.add_figure("samples", image_grid(images[:G].cpu(), [caption(k) for k in range(G)]), iteration + 1)
+        last = iteration + 1 == args.num_iterations
+        if args.eval_every and ((iteration + 1) % args.eval_every == 0 or last):
+            evaluate(iteration + 1)
+        if args.calibrate and rank == 0:  # psi after every calibration iteration, for --psi
+            with open(args.psi_out or os.path.join(run_dir, "psi.json"), "w") as f:
+                json.dump({"psi": psi, "num_steps": T, "iteration": iteration + 1, "args": vars(args)}, f, indent=1)
+        elif (args.save_every and (iteration + 1) % args.save_every == 0) or last:
+            checkpoint(iteration + 1)
+    if writer is not None:
+        writer.close()
+    if world > 1:
+        torch.distributed.destroy_process_group()
