@@ -207,6 +207,13 @@ def load_psi(path: str, num_steps: int) -> list[float]:
     return [float(p) for p in psi]
 
 
+def dense_rewards(latent_rewards, baseline: bool = False):
+    """[T + 1, N] latent rewards R(x_i) along each trajectory (i = 0 the noise, i = T the final image) -> [T, N] step
+    rewards Delta R_i = R(x_{i+1}) - R(x_i) (in float64, so they telescope exactly), or R(x_{i+1}) for the baseline."""
+    r = latent_rewards.double()
+    return r[1:] if baseline else r[1:] - r[:-1]
+
+
 def calibrate_step(psi: list, delta_r, eps1: float, eps2: float, psi_range) -> list[float]:
     """Algorithm 1, one iteration: for each step t, psi(t) += eps2 if |#(Delta R_t > 0) - #(Delta R_t < 0)| < eps1
     (balanced outcomes: explore more), else psi(t) -= eps2; then clamp. delta_r: [N trajectories, T steps]."""
@@ -358,7 +365,7 @@ if __name__ == "__main__":
 
         # ALGO LOGIC: dense rewards Delta R_t = R(x_{t-1}) - R(x_t) per step, and per-step group advantages
         latent_rewards = {k: torch.cat([p[k] for p in parts]).view(T + 1, P * G) for k in reward_fns}  # R(x_i), i = 0..T
-        dense = {k: v[1:] if args.dense_baseline else v[1:] - v[:-1] for k, v in latent_rewards.items()}  # [T, P * G]
+        dense = {k: dense_rewards(v, args.dense_baseline) for k, v in latent_rewards.items()}  # [T, P * G]
         scores = {k: v[T] for k, v in latent_rewards.items()}  # the final images' rewards
         all_scores = {k: gather_cat(v.view(P, G).to(device)).cpu() for k, v in scores.items()}
         advantages = torch.stack([combine_advantages(
@@ -366,14 +373,15 @@ if __name__ == "__main__":
             args.adv_eps, args.std_unbiased, args.global_std, args.adv_clip)[rank * P:(rank + 1) * P].reshape(-1)
             for i in range(T)]).to(device)
         if args.calibrate:  # Algorithm 1 on the weighted dense reward of every trajectory of every rank
-            delta_r = gather_cat(sum(weights[k] * (v[1:] - v[:-1]) for k, v in latent_rewards.items()).T.contiguous().to(device))
+            delta_r = gather_cat(sum(weights[k] * dense_rewards(v) for k, v in latent_rewards.items()).T.contiguous().to(device))
             psi = calibrate_step(psi, delta_r.cpu(), args.eps1, args.eps2, args.psi_range)
         train_steps = list(range(n_train)) if args.timestep_selection == "first" else sorted(
             torch.randperm(T - 1, generator=gen)[:min(n_train, T - 1)].tolist())  # DanceGRPO: a random subset
 
         # ALGO LOGIC: policy update (PPO-clipped ratio of per-step log-probs, optional KL to the reference)
         stats, first_dev, grad_norms = torch.zeros(6, device=device), 0.0, []
-        for u, mb in enumerate([] if args.calibrate else torch.tensor_split(torch.arange(len(chunks)), args.updates_per_iteration)):
+        minibatches = [] if args.calibrate else torch.tensor_split(torch.arange(len(chunks)), args.updates_per_iteration)
+        for u, mb in enumerate(minibatches):
             n_terms = sum(len(chunks[c]) for c in mb) * len(train_steps)
             for j, c in ((j, chunks[m]) for j in train_steps for m in mb):
                 if not sharded and args.beta == 0 and (advantages[j][c] == 0).all():

@@ -1,0 +1,106 @@
+"""densegrpo.py: dense rewards, calibration, NFE against the closed form, smoke runs on tiny random pipelines."""
+import json
+
+import pytest
+import torch
+
+import densegrpo
+from helpers import read_metrics, run_script, tiny_flags, tiny_model_dirs
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return tiny_model_dirs(str(tmp_path_factory.mktemp("tiny")))
+
+
+def test_dense_rewards_telescope_exactly():
+    r = torch.rand(11, 50, generator=torch.Generator().manual_seed(0))  # R(x_i), i = 0 (noise) .. 10 (final image)
+    delta = densegrpo.dense_rewards(r)
+    assert delta.shape == (10, 50)
+    assert torch.equal(delta.sum(0), r[10].double() - r[0].double())  # sum_t Delta R_t = R_0 - R_T, bit for bit
+    assert torch.equal(densegrpo.dense_rewards(r, baseline=True), r[1:].double())
+
+
+def test_calibration_rule():
+    psi = [0.7, 0.7, 0.7, 1.0, 0.1]
+    delta = torch.tensor([[1.0, 1.0, 1.0, 0.5, 0.1], [-1.0, 1.0, 1.0, -0.5, 0.2], [0.0, 1.0, -1.0, 0.0, 0.3]])
+    # balance |#pos - #neg| per step: 0, 3, 1, 0, 3 -> < eps1 = 2 raises psi, else lowers it; clamped to [0.1, 1.0]
+    new = densegrpo.calibrate_step(psi, delta, eps1=2, eps2=0.01, psi_range=(0.1, 1.0))
+    assert new == pytest.approx([0.71, 0.69, 0.71, 1.0, 0.1])
+
+
+@pytest.mark.parametrize("n,expected", [(1, 240), (2, 456), (0, 1320)])
+def test_nfe_equals_closed_form(tiny, tmp_path, n, expected):
+    """Per prompt G (T + sum_t (min(n, t) - 1)), the sampler's v(x_t) reused as each completion's first step:
+    240 / 456 / 1320 for n = 1 / 2 / t at T = 10, G = 24 (Flow-GRPO: 240)."""
+    run_script("densegrpo.py", tiny_flags(tiny["flux"], tiny["prompts"], tmp_path, num_steps=10, group_size=24,
+                                          prompts_per_iteration=1, micro_batch=48, dense_ode_steps=n, num_iterations=1,
+                                          eval_every=0))
+    _, m = read_metrics(tmp_path)
+    assert m[1]["perf/nfe_rollout_per_prompt"] == m[1]["perf/nfe_min_per_prompt"] == expected
+
+
+def test_pure_ode_gives_zero_dense_rewards(tiny, tmp_path):
+    """psi = 0: every completion of a trajectory lands on its final latent, so every R_t is equal, every Delta R_t and
+    every advantage is 0, and nothing is learned."""
+    (tmp_path / "psi.json").write_text(json.dumps({"psi": [0.0] * 4}))
+    run_script("densegrpo.py", tiny_flags(tiny["flux"], tiny["prompts"], tmp_path / "out", psi=tmp_path / "psi.json",
+                                          beta=0, eval_every=0))
+    _, m = read_metrics(tmp_path / "out")
+    assert m[1]["train/grad_norm"] == 0.0 and m[1]["train/policy_loss"] == 0.0 and m[1]["psi/step_0"] == 0.0
+
+
+@pytest.mark.parametrize("kind", ["flux", "sd3"])
+def test_two_iterations(tiny, tmp_path, kind):
+    run_script("densegrpo.py", tiny_flags(tiny[kind], tiny["prompts"], tmp_path, guidance=4.5 if kind == "sd3" else 3.5))
+    _, m = read_metrics(tmp_path)
+    assert m[1]["train/first_ratio_max_dev"] <= 1e-6 and "eval/jpeg" in m[2] and m[2]["train/kl"] > 0
+    assert m[1]["perf/nfe_rollout_per_prompt"] == m[1]["perf/nfe_min_per_prompt"] == 4 * (4 + 6)
+
+
+def test_calibration_mode_writes_psi_and_training_loads_it(tiny, tmp_path):
+    out = tmp_path / "psi.json"
+    run_script("densegrpo.py", tiny_flags(tiny["flux"], tiny["prompts"], tmp_path / "cal", calibrate=True, psi_out=out,
+                                          num_iterations=3, eval_every=0))
+    psi = json.loads(out.read_text())["psi"]
+    assert len(psi) == 4 and all(round(abs(p - 0.7), 9) in (0.01, 0.03) for p in psi)  # 3 moves of +-0.01 each
+    run_script("densegrpo.py", tiny_flags(tiny["flux"], tiny["prompts"], tmp_path / "train", psi=out, num_iterations=1,
+                                          eval_every=0))
+    _, m = read_metrics(tmp_path / "train")
+    assert [m[1][f"psi/step_{i}"] for i in range(4)] == pytest.approx(psi)
+
+
+def test_torchrun_two_processes(tiny, tmp_path):
+    run_script("densegrpo.py", tiny_flags(tiny["flux"], tiny["prompts"], tmp_path, prompts_per_iteration=4), nproc=2)
+    _, m = read_metrics(tmp_path)
+    assert m[1]["train/first_ratio_max_dev"] <= 1e-6 and "eval/jpeg" in m[2]
+
+
+def check(**over):
+    args = densegrpo.Args()
+    for k, v in over.items():
+        setattr(args, k, v)
+    densegrpo.check_args(args, world=1)
+
+
+@pytest.mark.parametrize("over,message", [
+    ({"dense_ode_steps": -1}, r"--dense-ode-steps -1 is not allowed; use 1..10 \(or 0 for n = t\)"),
+    ({"dense_ode_steps": 11}, r"--dense-ode-steps 11 is not allowed; use 1..10 \(or 0 for n = t\)"),
+    ({"eps1": 0.0}, "--eps1 0.0 / --eps2 0.01: both must be > 0"),
+    ({"eps2": -0.01}, "--eps1 2.0 / --eps2 -0.01: both must be > 0"),
+    ({"group_size": 1}, "--group-size 1 is not allowed; GRPO needs at least 2 images per prompt"),
+])
+def test_bad_input(over, message):
+    with pytest.raises(SystemExit, match=message):
+        check(**over)
+
+
+def test_bad_psi_files(tmp_path):
+    (tmp_path / "short.json").write_text(json.dumps({"psi": [0.7] * 3}))
+    with pytest.raises(SystemExit, match="has 3 values; --num-steps 10 needs exactly one per step"):
+        densegrpo.load_psi(str(tmp_path / "short.json"), 10)
+    (tmp_path / "neg.json").write_text(json.dumps([0.7, -0.1]))
+    with pytest.raises(SystemExit, match=r"has negative values \[-0.1\]; noise levels must be >= 0"):
+        densegrpo.load_psi(str(tmp_path / "neg.json"), 2)
+    with pytest.raises(SystemExit, match="does not exist; write one with --calibrate"):
+        densegrpo.load_psi(str(tmp_path / "missing.json"), 2)
