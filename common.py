@@ -38,9 +38,7 @@ def apply_preset(args, preset: dict, argv=None):
     return args
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# 1. Schedules
-# ---------------------------------------------------------------------------------------------------------------
+# ======== 1. Schedules ========
 def sigma_schedule(num_steps: int, shift: float) -> torch.Tensor:
     """Shifted flow-matching noise levels sigma_0 = 1 > ... > sigma_T = 0: shift*u / (1 + (shift-1)*u), u = linspace(1, 0)."""
     u = torch.linspace(1, 0, num_steps + 1, dtype=torch.float64)
@@ -55,9 +53,7 @@ def strided_indices(start: int, end: int, stride: int) -> list[int]:
     return list(range(start, end, stride)) + [end]
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# 2. SDE / ODE steps (all step math in float32, shared by sampling and training so log-probs match exactly)
-# ---------------------------------------------------------------------------------------------------------------
+# ======== 2. SDE / ODE steps (all step math in float32, shared by sampling and training so log-probs match exactly) ========
 def gaussian_log_prob(x: torch.Tensor, mean: torch.Tensor, std: float) -> torch.Tensor:
     """log N(x; mean, std^2), averaged over every non-batch dimension (the official per-element mean)."""
     lp = -((x.detach() - mean) ** 2) / (2 * std**2) - math.log(std) - 0.5 * math.log(2 * math.pi)
@@ -122,9 +118,7 @@ def ode_complete(transformer, kind: str, x, paths: list, sigmas, emb: dict, guid
     return x
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# 3. Model: loading, prompt encoding, velocity (with an NFE counter), decoding, trainable parameters
-# ---------------------------------------------------------------------------------------------------------------
+# ======== 3. Model: loading, prompt encoding, velocity (with an NFE counter), decoding, trainable parameters ========
 NFE = {"count": 0}  # per-sample transformer evaluations (a CFG pair counts once); every forward goes through velocity()
 LORA_TARGETS = {
     "sd3": ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"],
@@ -270,17 +264,7 @@ def reference_kl(ref, kind: str, x, sigmas, i: int, emb: dict, guidance: float, 
     return ((mean - mean_ref) ** 2).mean(dim=tuple(range(1, x.ndim))).mean() / (2 * std**2)
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# 4. Rewards: each is fn(images [B, 3, H, W] in [0, 1], prompts) -> tensor [B]
-# ---------------------------------------------------------------------------------------------------------------
-REWARD_DEFAULTS = {  # where each reward's weights come from unless a local path is given
-    "hps": "xswu/HPSv2:HPS_v2.1_compressed.pt",
-    "clip": "hf-hub:apple/DFN5B-CLIP-ViT-H-14-384",
-    "pickscore": "yuvalkirstain/PickScore_v1",
-    "pickscore_processor": "laion/CLIP-ViT-H-14-laion2B-s32B-b79K",
-}
-
-
+# ======== 4. Rewards: each is fn(images [B, 3, H, W] in [0, 1], prompts) -> tensor [B] ========
 def load_safely(path: str):
     """Weights from safetensors or a pickle read with weights_only=True (a downloaded pickle cannot run code)."""
     if path.endswith(".safetensors"):
@@ -388,28 +372,31 @@ def jpeg_compressibility(images, prompts):
     return -torch.tensor(sizes) / 500
 
 
-REWARDS = ["hps", "clip", "pickscore", "jpeg"]
+TOY_REWARDS = ["toy_color_position", "toy_shape_count", "toy_strict"]  # exact rewards of the toy world (toy/world.py)
+REWARDS = ["hps", "clip", "pickscore", "jpeg"] + TOY_REWARDS
 
 
 def load_rewards(names, device, hps_checkpoint=None, clip_model=None, pickscore_model=None, pickscore_processor=None,
                  hps_arch="ViT-H-14") -> dict:
-    """{name: fn(images, prompts) -> tensor [B]} for each requested reward, loaded once."""
-    known = REWARDS + sorted(TOY_REWARDS)
+    """{name: fn(images, prompts) -> tensor [B]} for each requested reward, loaded once. Weights come from the given
+    local paths, else from the hub: xswu/HPSv2, apple/DFN5B-CLIP-ViT-H-14-384, yuvalkirstain/PickScore_v1."""
     out = {}
     for name in names:
-        if name not in known:
-            fail(f"unknown reward {name!r}; choose from {known}")
+        if name not in REWARDS:
+            fail(f"unknown reward {name!r}; choose from {REWARDS}")
         if name == "hps":
-            out[name] = hps_reward(hps_checkpoint or REWARD_DEFAULTS["hps"], device, hps_arch)
-        elif name == "clip":
-            out[name] = open_clip_reward(clip_model or REWARD_DEFAULTS["clip"], device)  # CLIP score (MixGRPO, G2RPO)
+            out[name] = hps_reward(hps_checkpoint or "xswu/HPSv2:HPS_v2.1_compressed.pt", device, hps_arch)
+        elif name == "clip":  # CLIP score (MixGRPO, G2RPO)
+            out[name] = open_clip_reward(clip_model or "hf-hub:apple/DFN5B-CLIP-ViT-H-14-384", device)
         elif name == "pickscore":
-            out[name] = pickscore_reward(pickscore_model or REWARD_DEFAULTS["pickscore"],
-                                         pickscore_processor or REWARD_DEFAULTS["pickscore_processor"], device)
+            out[name] = pickscore_reward(pickscore_model or "yuvalkirstain/PickScore_v1",
+                                         pickscore_processor or "laion/CLIP-ViT-H-14-laion2B-s32B-b79K", device)
         elif name == "jpeg":
             out[name] = jpeg_compressibility
         else:
-            out[name] = TOY_REWARDS[name]
+            from toy import world
+
+            out[name] = getattr(world, name.replace("toy_strict", "toy_strict_accuracy"))
     return out
 
 
@@ -425,12 +412,11 @@ def score(rewards: dict, images, prompts) -> dict:
     return out
 
 
-TOY_REWARDS = {}  # the toy world's exact rewards are registered here
-
-
 def load_prompt_set(path: str, split: str = "train") -> list[str]:
     """Prompts from a text file, one per line (blank lines skipped), or 'toy': the toy world's grammar."""
     if path == "toy":
+        from toy.world import toy_prompts
+
         return toy_prompts(4096 if split == "train" else 1024, seed=0 if split == "train" else 1)
     if not os.path.isfile(path):
         fail(f"prompt file {path!r} does not exist; pass a text file with one prompt per line")
@@ -441,9 +427,7 @@ def load_prompt_set(path: str, split: str = "train") -> list[str]:
     return prompts
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# 5. Advantages
-# ---------------------------------------------------------------------------------------------------------------
+# ======== 5. Advantages ========
 def group_advantages(rewards, eps: float, unbiased: bool, global_std: bool = False):
     """GRPO advantages for rewards [P, G] (P groups of G): (r - group mean) / (std + eps), with the std per group or
     over all P*G rewards. A group whose rewards are all equal gets exactly zero advantage (never NaN or eps-blown)."""
@@ -480,9 +464,7 @@ def clipped_policy_loss(log_prob, old_log_prob, advantages, clip_range: float, k
     return policy + beta * kl, sums, (r - 1).abs().max().item()
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# 6. Distributed, seeding, logging, checkpoints
-# ---------------------------------------------------------------------------------------------------------------
+# ======== 6. Distributed, seeding, logging, checkpoints ========
 def setup_distributed():
     """torchrun-aware setup: NCCL on CUDA, gloo on CPU. Returns (rank, world_size, device)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -506,26 +488,18 @@ def gather_cat(t: torch.Tensor) -> torch.Tensor:
 
 def broadcast_object(obj):
     """Rank 0's value of a picklable object on every rank (e.g. the run name)."""
-    if not dist.is_initialized():
-        return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=0)
+    if dist.is_initialized():
+        dist.broadcast_object_list(box, src=0)
     return box[0]
 
 
-def average_gradients(params):
-    """DDP-style gradient averaging across ranks (LoRA runs; FSDP reduces its own gradients)."""
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
-
-
 def optimizer_step(params, optimizer, max_grad_norm: float, sharded: bool) -> float:
-    """Average gradients across ranks (FSDP already did), clip their norm, step, zero. Returns the norm before clipping."""
-    if not sharded:
-        average_gradients(params)
+    """DDP-style gradient averaging across ranks (FSDP reduces its own), norm clipping, step, zero.
+    Returns the gradient norm before clipping."""
+    for p in params if not sharded and dist.is_initialized() else []:
+        p.grad = torch.zeros_like(p) if p.grad is None else p.grad
+        dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
     norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -535,9 +509,7 @@ def optimizer_step(params, optimizer, max_grad_norm: float, sharded: bool) -> fl
 def seed_everything(seed: int, deterministic: bool = False):
     import random
 
-    import numpy as np
-
-    random.seed(seed), np.random.seed(seed), torch.manual_seed(seed)
+    random.seed(seed), torch.manual_seed(seed)  # numpy is not used for anything random here
     torch.backends.cudnn.deterministic = deterministic
 
 
@@ -596,13 +568,10 @@ def ema_update(ema: list, params: list, decay: float):
 
 @contextlib.contextmanager
 def swapped_in(params: list, values):
-    """Temporarily load `values` (e.g. the EMA) into `params`; no-op when values is None."""
-    if values is None:
-        yield
-        return
-    backup = [p.detach().clone() for p in params]
+    """Temporarily load `values` (e.g. the EMA) into `params`; a no-op when values is None."""
+    backup = [p.detach().clone() for p in params] if values is not None else []
     with torch.no_grad():
-        for p, v in zip(params, values):
+        for p, v in zip(params, values if values is not None else []):
             p.copy_(v)
     try:
         yield
