@@ -233,7 +233,6 @@ def make_trainable(transformer, kind: str, lora_rank: int, lora_alpha: float, fu
         transformer.requires_grad_(True)
     else:
         from peft import LoraConfig
-
         transformer.add_adapter(LoraConfig(r=lora_rank, lora_alpha=lora_alpha, init_lora_weights="gaussian",
                                            target_modules=LORA_TARGETS[kind]))
     params = [p for p in transformer.parameters() if p.requires_grad]
@@ -269,7 +268,6 @@ def load_safely(path: str):
     """Weights from safetensors or a pickle read with weights_only=True (a downloaded pickle cannot run code)."""
     if path.endswith(".safetensors"):
         from safetensors.torch import load_file
-
         return load_file(path)
     return torch.load(path, map_location="cpu", weights_only=True)
 
@@ -325,7 +323,6 @@ def hps_reward(checkpoint: str, device, arch: str = "ViT-H-14"):
     if not os.path.isfile(checkpoint):
         repo, _, filename = checkpoint.partition(":")
         from huggingface_hub import hf_hub_download
-
         try:
             checkpoint = hf_hub_download(repo, filename or "HPS_v2.1_compressed.pt")
         except Exception as e:
@@ -396,7 +393,7 @@ def load_rewards(names, device, hps_checkpoint=None, clip_model=None, pickscore_
         else:
             from toy import world
 
-            out[name] = getattr(world, name.replace("toy_strict", "toy_strict_accuracy"))
+            out[name] = getattr(world, {"toy_strict": "toy_strict_accuracy"}.get(name, name + "_reward"))
     return out
 
 
@@ -416,7 +413,6 @@ def load_prompt_set(path: str, split: str = "train") -> list[str]:
     """Prompts from a text file, one per line (blank lines skipped), or 'toy': the toy world's grammar."""
     if path == "toy":
         from toy.world import toy_prompts
-
         return toy_prompts(4096 if split == "train" else 1024, seed=0 if split == "train" else 1)
     if not os.path.isfile(path):
         fail(f"prompt file {path!r} does not exist; pass a text file with one prompt per line")
@@ -529,14 +525,18 @@ def make_writer(run_dir: str, args, track: bool = False, project: str = "flow-rl
     return writer
 
 
-def log_metrics(writer, run_dir: str, step: int, metrics: dict):
-    """Scalars to TensorBoard and one JSON line per call to <run_dir>/metrics.jsonl (rank 0 only)."""
+def log_metrics(writer, run_dir: str, step: int, metrics: dict, per_sample: dict | None = None):
+    """Scalars to TensorBoard and one JSON line per call to <run_dir>/metrics.jsonl (rank 0 only); `per_sample`
+    (e.g. every evaluation pair's reward, for paired comparisons) to <run_dir>/eval_<step>.json."""
     if writer is None:
         return
     for k, v in metrics.items():
         writer.add_scalar(k, v, step)
     with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
         f.write(json.dumps({"iteration": step, **{k: float(v) for k, v in metrics.items()}}) + "\n")
+    if per_sample is not None:
+        with open(os.path.join(run_dir, f"eval_{step}.json"), "w") as f:
+            json.dump({k: v.tolist() for k, v in per_sample.items()}, f)
 
 
 def image_grid(images, captions, ncols: int = 6):

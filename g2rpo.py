@@ -240,7 +240,7 @@ if __name__ == "__main__":
                               eval_sigmas, emb, args.guidance, args.micro_batch)
             images = torch.cat([decode(pipe, z) for z in x0.split(args.micro_batch)])
         scores = {k: gather_cat(v.to(device)).cpu() for k, v in score(eval_fns, images, prompts).items()}
-        log_metrics(writer, run_dir, iteration, {f"eval/{k}": v.mean() for k, v in scores.items()})
+        log_metrics(writer, run_dir, iteration, {f"eval/{k}": v.mean() for k, v in scores.items()}, per_sample=scores)
 
     def checkpoint(iteration):
         """Atomic checkpoint: exported weights (LoRA in diffusers format or the transformer), optimizer, EMA, step."""
