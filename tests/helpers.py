@@ -56,3 +56,11 @@ def read_metrics(out_dir):
             row = json.loads(line)
             merged.setdefault(row["iteration"], {}).update(row)
     return os.path.join(out_dir, run), merged
+
+
+def check_args(module, world=1, **over):
+    """module.check_args on the module's default Args with some fields overridden."""
+    args = module.Args()
+    for k, v in over.items():
+        setattr(args, k, v)
+    module.check_args(args, world=world)

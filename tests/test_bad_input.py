@@ -3,14 +3,8 @@ import pytest
 
 import flow_grpo
 from common import latent_shape, load_pipeline, load_prompt_set, load_rewards
-from helpers import run_script, tiny_flags, tiny_model_dirs
+from helpers import check_args, run_script, tiny_flags, tiny_model_dirs
 
-
-def check(**over):
-    args = flow_grpo.Args()
-    for k, v in over.items():
-        setattr(args, k, v)
-    flow_grpo.check_args(args, world=1)
 
 
 @pytest.mark.parametrize("over,message", [
@@ -22,13 +16,12 @@ def check(**over):
 ])
 def test_argument_checks(over, message):
     with pytest.raises(SystemExit, match=message):
-        check(**over)
+        check_args(flow_grpo, **over)
 
 
 def test_world_size_must_divide_prompts():
-    args = flow_grpo.Args()
     with pytest.raises(SystemExit, match="--prompts-per-iteration 48 is not a positive multiple of the world size 5"):
-        flow_grpo.check_args(args, world=5)
+        check_args(flow_grpo, world=5)
 
 
 def test_unknown_reward():

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import densegrpo
-from helpers import read_metrics, run_script, tiny_flags, tiny_model_dirs
+from helpers import check_args, read_metrics, run_script, tiny_flags, tiny_model_dirs
 
 
 @pytest.fixture(scope="module")
@@ -76,12 +76,6 @@ def test_torchrun_two_processes(tiny, tmp_path):
     assert m[1]["train/first_ratio_max_dev"] <= 1e-6 and "eval/jpeg" in m[2]
 
 
-def check(**over):
-    args = densegrpo.Args()
-    for k, v in over.items():
-        setattr(args, k, v)
-    densegrpo.check_args(args, world=1)
-
 
 @pytest.mark.parametrize("over,message", [
     ({"dense_ode_steps": -1}, r"--dense-ode-steps -1 is not allowed; use 1..10 \(or 0 for n = t\)"),
@@ -92,7 +86,7 @@ def check(**over):
 ])
 def test_bad_input(over, message):
     with pytest.raises(SystemExit, match=message):
-        check(**over)
+        check_args(densegrpo, **over)
 
 
 def test_bad_psi_files(tmp_path):

@@ -2,7 +2,7 @@
 import pytest
 
 import g2rpo
-from helpers import read_metrics, run_script, tiny_flags, tiny_model_dirs
+from helpers import check_args, read_metrics, run_script, tiny_flags, tiny_model_dirs
 
 
 @pytest.fixture(scope="module")
@@ -56,12 +56,6 @@ def test_torchrun_two_processes(tiny, tmp_path, full):
     assert m[1]["train/first_ratio_max_dev"] <= 1e-6 and "eval/jpeg" in m[2]
 
 
-def check(**over):
-    args = g2rpo.Args()
-    for k, v in over.items():
-        setattr(args, k, v)
-    g2rpo.check_args(args, world=1)
-
 
 @pytest.mark.parametrize("over,message", [
     ({"lambdas": ()}, r"--lambdas \[\] is not allowed; give distinct values in 1..15"),
@@ -76,7 +70,7 @@ def check(**over):
 ])
 def test_bad_input(over, message):
     with pytest.raises(SystemExit, match=message):
-        check(**over)
+        check_args(g2rpo, **over)
 
 
 def test_paper_command_line_parses():
