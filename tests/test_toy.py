@@ -1,4 +1,4 @@
-"""The toy world: grammar, reward calibration on rendered ground truth and corruptions, the saved pipeline, the maker."""
+"""The toy world: grammar, reward calibration on ground truth and corruptions, the saved pipeline, the maker."""
 import os
 import subprocess
 import sys
@@ -54,8 +54,10 @@ def test_grammar_round_trip():
         ("blue", "square", "top"), ("green", "triangle", "bottom")]
 
 
-@pytest.mark.parametrize("bad", ["a purple circle on the left", "a photo of a cat", "",
-                                 "a red circle on the left and a blue circle on the left and a green square on the top"])
+THREE = "a red circle on the left and a blue square on the right and a green circle at the top"
+
+
+@pytest.mark.parametrize("bad", ["a purple circle on the left", "a photo of a cat", "", "a red circle", THREE])
 def test_grammar_rejects(bad):
     with pytest.raises(ValueError, match="not a toy-world prompt") as e:
         parse_toy_prompt(bad)
@@ -133,12 +135,23 @@ def test_saved_pipeline_generates():
     assert toy_color_position_reward(images[:2], prompts[:2]).shape == (2,)
 
 
+@pytest.mark.skipif(not os.path.exists(os.path.join(TOY, "model_index.json")), reason="toy pipeline not made yet")
+def test_saved_pipeline_leaves_headroom():
+    """The base model gets colours and places mostly right but is far from solving the task."""
+    from diffusers import FluxPipeline
+    from make_toy import sample
+    pipe = FluxPipeline.from_pretrained(TOY, local_files_only=True)
+    prompts = toy_prompts(48, seed=77)
+    a, b, strict = _scores(sample(pipe, prompts, list(range(48))), prompts)
+    assert 0.4 < (a.mean() + b.mean()) / 2 < 0.8 and strict.mean() <= 0.65, (a.mean(), b.mean(), strict.mean())
+
+
 def test_maker_runs_end_to_end(tmp_path):
     out, png = tmp_path / "pipe", tmp_path / "samples.png"
     cmd = [sys.executable, os.path.join(ROOT, "toy", "make_toy.py"), "--out", str(out), "--vae-steps", "2",
-           "--dit-steps", "2", "--batch-size", "4", "--vae-batch-size", "4", "--pool", "8", "--threads", "1", "--no-eval"]
-    subprocess.run(cmd, check=True, capture_output=True, timeout=120)
+           "--dit-steps", "2", "--batch-size", "4", "--vae-batch-size", "4", "--pool", "8", "--threads", "1",
+           "--eval-prompts", "8", "--samples", str(png)]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
     assert (out / "model_index.json").exists() and (out / "transformer" / "config.json").exists()
-    subprocess.run(cmd[:2] + ["--out", str(out), "--samples-only", "--samples", str(png), "--threads", "1",
-                              "--eval-prompts", "12"], check=True, capture_output=True, timeout=120)
-    assert png.stat().st_size > 1000
+    assert "strict=" in run.stdout and png.stat().st_size > 1000
