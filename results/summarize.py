@@ -44,7 +44,8 @@ def main():
     labels = a.labels or [os.path.basename(r.rstrip("/")) for r in a.runs]
     runs = {label: load_run(r) for label, r in zip(labels, a.runs)}
     metrics = sorted({k for _, ev in runs.values() for e in ev.values() for k in e})
-    train_keys = sorted({k for rows, _ in runs.values() for r in rows for k in r if k.endswith("_mean")})
+    train_keys = sorted({k for rows, _ in runs.values() for r in rows for k in r
+                         if k.startswith("reward/") and k.endswith("_mean")})
 
     fig, axes = plt.subplots(1, len(metrics) + 1, figsize=(4.2 * (len(metrics) + 1), 3.6), squeeze=False)
     lines = ["| run | iteration | wall s | " + " | ".join(f"{m} (change +- paired SE)" for m in metrics) + " |",
