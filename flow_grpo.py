@@ -143,10 +143,10 @@ class Args:
 # The embedded toy setting (--model toy): a ~2M-parameter Flux on 32x32 shapes. Flags passed explicitly still win.
 TOY = dict(model="toy", mixed_precision="no", resolution=32, max_sequence_length=16, guidance=3.5, prompts="toy",
            eval_prompts="toy", rewards=("toy_color_position", "toy_shape_count"), eval_rewards=("toy_strict",),
-           reward_combine="advantages", num_steps=16, eval_steps=16, group_size=12, micro_batch=48, noise_level=0.5,
+           reward_combine="advantages", num_steps=16, eval_steps=16, group_size=12, micro_batch=48,
            full_finetune=True, learning_rate=1e-4, ema=False, num_iterations=60, eval_every=20, eval_num=256,
            save_every=20, log_images_every=20,
-           prompts_per_iteration=8, timestep_fraction=0.5, global_std=False, beta=0.04, updates_per_iteration=1)
+           noise_level=0.7, prompts_per_iteration=8, timestep_fraction=0.5, global_std=False, beta=0.04, updates_per_iteration=1)
 
 
 def check_args(args, world: int):
