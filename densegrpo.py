@@ -92,8 +92,8 @@ class Args:
     the uniform psi(t) when --psi is not given"""
     psi: str | None = None
     """JSON file with the per-step noise levels psi (one per sampling step, index 0 = the noisiest), from --calibrate"""
-    dense_ode_steps: int = 0
-    """n: ODE steps that complete a latent x_t for its latent reward (0: n = t, all remaining sampler steps)"""
+    dense_ode_steps: int | None = None
+    """n: ODE steps that complete a latent x_t for its latent reward (default: n = t, all remaining sampler steps)"""
     dense_baseline: bool = False
     """the paper's "Dense Reward (Baseline)" ablation: normalise R_{t-1} itself instead of Delta R_t = R_{t-1} - R_t"""
     calibrate: bool = False
@@ -183,8 +183,8 @@ def check_args(args, world: int):
     if args.ema and args.full_finetune and world > 1:
         fail("--ema is not supported with sharded full fine-tuning (world size > 1); pass --no-ema")
     # algorithm specific
-    if not 0 <= args.dense_ode_steps <= args.num_steps:
-        fail(f"--dense-ode-steps {args.dense_ode_steps} is not allowed; use 1..{args.num_steps} (or 0 for n = t)")
+    if args.dense_ode_steps is not None and not 1 <= args.dense_ode_steps <= args.num_steps:
+        fail(f"--dense-ode-steps {args.dense_ode_steps} is not allowed; use 1..{args.num_steps} (default: n = t)")
     if args.eps1 <= 0 or args.eps2 <= 0:
         fail(f"--eps1 {args.eps1} / --eps2 {args.eps2}: both must be > 0")
     if not 0 < args.timestep_fraction <= 1:

@@ -29,7 +29,7 @@ def test_calibration_rule():
     assert new == pytest.approx([0.71, 0.69, 0.71, 1.0, 0.1])
 
 
-@pytest.mark.parametrize("n,expected", [(1, 240), (2, 456), (0, 1320)])
+@pytest.mark.parametrize("n,expected", [(1, 240), (2, 456), (None, 1320)])
 def test_nfe_equals_closed_form(tiny, tmp_path, n, expected):
     """Per prompt G (T + sum_t (min(n, t) - 1)), the sampler's v(x_t) reused as each completion's first step:
     240 / 456 / 1320 for n = 1 / 2 / t at T = 10, G = 24 (Flow-GRPO: 240)."""
@@ -78,8 +78,8 @@ def test_torchrun_two_processes(tiny, tmp_path):
 
 
 @pytest.mark.parametrize("over,message", [
-    ({"dense_ode_steps": -1}, r"--dense-ode-steps -1 is not allowed; use 1..10 \(or 0 for n = t\)"),
-    ({"dense_ode_steps": 11}, r"--dense-ode-steps 11 is not allowed; use 1..10 \(or 0 for n = t\)"),
+    ({"dense_ode_steps": 0}, r"--dense-ode-steps 0 is not allowed; use 1..10 \(default: n = t\)"),
+    ({"dense_ode_steps": 11}, r"--dense-ode-steps 11 is not allowed; use 1..10 \(default: n = t\)"),
     ({"eps1": 0.0}, "--eps1 0.0 / --eps2 0.01: both must be > 0"),
     ({"eps2": -0.01}, "--eps1 2.0 / --eps2 -0.01: both must be > 0"),
     ({"group_size": 1}, "--group-size 1 is not allowed; GRPO needs at least 2 images per prompt"),
