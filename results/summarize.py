@@ -83,6 +83,14 @@ def main():
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     fig.savefig(a.out + ".png", dpi=110)
     n = len(next(iter(next(iter(runs.values()))[1].values()))[metrics[0]]) if metrics else 0
+    lines += ["", "Rewards of the training batches (SDE samples for Flow-GRPO; fresh prompts every iteration), mean over "
+              "the first and the last 10 iterations:", "", "| run | reward | iterations 1-10 | last 10 |", "|---|---|---|---|"]
+    for label, (rows, _) in runs.items():
+        for k in train_keys:
+            vals = [r[k] for r in rows if k in r]
+            if vals:
+                lines.append(f"| {label} | {k[7:-5]} | {sum(vals[:10]) / len(vals[:10]):.4f} | "
+                             f"{sum(vals[-10:]) / len(vals[-10:]):.4f} |")
     with open(a.out + ".md", "w") as f:
         f.write(f"Evaluation on {n} fixed held-out prompt/seed pairs (ODE sampling); change against iteration 0 with "
                 f"its paired standard error.\n\n" + "\n".join(lines) + "\n")

@@ -1,0 +1,287 @@
+"""The three algorithms compared on the toy world at equal iterations and at equal NFE, over several seeds.
+
+    python results/compare.py                  # run every missing (config, seed), then write results/compare/
+    python results/compare.py --summary-only   # rebuild the plots and tables from results/compare/raw/
+
+Each run is one algorithm file on `--model toy` (its TOY preset plus the flags in CONFIGS), one thread, `--workers`
+runs side by side. A config runs max(--min-iterations, its share of --budget-nfe) iterations, rounded up to a multiple
+of --eval-every, and is evaluated (ODE, 256 fixed held-out prompt/seed pairs) every --eval-every iterations.
+Resumable: finished runs are kept in results/compare/raw/ and skipped; an interrupted run continues from its latest
+checkpoint under --runs-dir. The summary needs only raw/, so it can be rebuilt anywhere.
+"""
+import argparse
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+A, B, S = "toy_color_position", "toy_shape_count", "toy_strict"
+PSI = os.path.join(ROOT, "results", "toy_psi.json")
+DANCE = ["--noise-form", "dance", "--noise-level", "0.3", "--timestep-selection", "random", "--same-init-noise",
+         "--std-unbiased", "--adv-eps", "1e-8"]
+# name: (script, flags on top of the TOY preset, closed-form NFE per iteration incl. training and reference forwards)
+# flow_grpo / dance: 8 prompts x 12 x 16 steps + 8 trained steps x 96 x (policy + reference) = 1536 + 1536
+# g2rpo: 4 prompts x NFE per prompt (README table) + 8 trained steps x 48 (no KL)
+# densegrpo: 4 prompts x 12 x (16 + sum_t (min(n, t) - 1)) + 8 trained steps x 48 x (policy + reference)
+CONFIGS = {
+    "flow_grpo": ("flow_grpo.py", [], 3072),
+    "dance_grpo": ("flow_grpo.py", DANCE, 3072),
+    "g2rpo_L1": ("g2rpo.py", ["--lambdas", "1"], 4 * 1112 + 384),
+    "g2rpo_L12": ("g2rpo.py", ["--lambdas", "1", "2"], 4 * 1592 + 384),
+    "g2rpo_L13": ("g2rpo.py", ["--lambdas", "1", "3"], 4 * 1412 + 384),
+    "g2rpo_L123": ("g2rpo.py", ["--lambdas", "1", "2", "3"], 4 * 1892 + 384),
+    "dense_uniform": ("densegrpo.py", ["--prompts-per-iteration", "4"], 4 * 12 * 136 + 768),
+    "dense_calibrated": ("densegrpo.py", ["--prompts-per-iteration", "4", "--psi", PSI], 4 * 12 * 136 + 768),
+    "dense_n1": ("densegrpo.py", ["--prompts-per-iteration", "4", "--psi", PSI, "--dense-ode-steps", "1"], 4 * 12 * 16 + 768),
+    "dense_n2": ("densegrpo.py", ["--prompts-per-iteration", "4", "--psi", PSI, "--dense-ode-steps", "2"], 4 * 12 * 31 + 768),
+    "flow_grpo_colour_only": ("flow_grpo.py", ["--rewards", A, "--eval-rewards", B, S], 3072),
+    "flow_grpo_shape_only": ("flow_grpo.py", ["--rewards", B, "--eval-rewards", A, S], 3072),
+}
+FIGURES = {  # file: (question, configs)
+    "algorithms": ("Which algorithm improves fastest per iteration, per NFE and per second?",
+                   ["flow_grpo", "dance_grpo", "g2rpo_L123", "dense_calibrated"]),
+    "g2rpo_lambdas": ("G2RPO: does multi-granularity (Lambda) help, and at what cost?",
+                      ["g2rpo_L1", "g2rpo_L12", "g2rpo_L13", "g2rpo_L123"]),
+    "dense_psi_n": ("DenseGRPO: calibrated vs uniform psi, and ODE completion length n",
+                    ["dense_uniform", "dense_calibrated", "dense_n1", "dense_n2"]),
+    "reward_hacking": ("Single-reward training: do the other reward and the strict metric fall?",
+                       ["flow_grpo", "flow_grpo_colour_only", "flow_grpo_shape_only"]),
+}
+
+
+def plan(a):
+    """{config: iterations}: max(min_iterations, budget / NFE per iteration), rounded up to a multiple of eval_every."""
+    if a.iterations:
+        return {c: a.iterations for c in a.configs}
+    e = a.eval_every
+    return {c: max(a.min_iterations, e * math.ceil(a.budget_nfe / CONFIGS[c][2] / e)) for c in a.configs}
+
+
+def raw_path(a, config, seed):
+    return os.path.join(a.out, "raw", f"{config}__seed{seed}.json")
+
+
+def command(a, config, seed, iterations, out_dir):
+    script, flags, _ = CONFIGS[config]
+    cmd = [sys.executable, os.path.join(ROOT, script), "--model", "toy", "--seed", str(seed), "--output-dir", out_dir,
+           "--exp-name", config, "--num-iterations", str(iterations), "--eval-every", str(a.eval_every), "--eval-num",
+           str(a.eval_num), "--save-every", str(a.eval_every), "--log-images-every", "0", *flags, *a.extra.split()]
+    runs = [os.path.join(out_dir, d) for d in os.listdir(out_dir)] if os.path.isdir(out_dir) else []
+    resumable = [r for r in runs if os.path.isdir(os.path.join(r, "checkpoints"))
+                 and any(not d.endswith(".tmp") for d in os.listdir(os.path.join(r, "checkpoints")))]
+    for r in runs:  # runs that never reached a checkpoint start over
+        if r not in resumable:
+            shutil.rmtree(r) if os.path.isdir(r) else os.remove(r)
+    return cmd + (["--resume", max(resumable)] if resumable else [])
+
+
+def collect(a, config, seed, out_dir):
+    """Copy a finished run's logs into raw/ (per-iteration metrics, every evaluation's per-pair scores)."""
+    (run,) = [os.path.join(out_dir, d) for d in os.listdir(out_dir)]
+    rows = {}
+    for line in open(os.path.join(run, "metrics.jsonl")):
+        r = json.loads(line)
+        rows.setdefault(r["iteration"], {}).update(r)  # a resumed run re-logs iterations after its checkpoint
+    evals = {}
+    for name in os.listdir(run):
+        if name.startswith("eval_") and name.endswith(".json"):
+            evals[int(name[5:-5])] = {k: [round(x, 5) for x in v] for k, v in json.load(open(os.path.join(run, name))).items()}
+    os.makedirs(os.path.dirname(raw_path(a, config, seed)), exist_ok=True)
+    tmp = raw_path(a, config, seed) + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump({"config": config, "seed": seed, "command": CONFIGS[config][:2], "extra": a.extra,
+                   "nfe_closed_form": CONFIGS[config][2], "metrics": [rows[i] for i in sorted(rows)],
+                   "evals": {str(i): evals[i] for i in sorted(evals)}}, f)
+    os.replace(tmp, raw_path(a, config, seed))
+    shutil.rmtree(os.path.join(run, "checkpoints"), ignore_errors=True)
+
+
+def run_all(a):
+    iters = plan(a)
+    todo = [(c, s) for s in a.seeds for c in sorted(a.configs, key=lambda c: -iters[c] * CONFIGS[c][2])
+            if not os.path.exists(raw_path(a, c, s))]
+    print(f"{len(todo)} runs to do, {a.workers} at a time; iterations per config: {iters}", flush=True)
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONWARNINGS="ignore",
+               TOKENIZERS_PARALLELISM="false")
+    running, failed, t0 = {}, [], time.time()
+    while todo or running:
+        while todo and len(running) < a.workers:
+            c, s = todo.pop(0)
+            out_dir = os.path.join(a.runs_dir, c, f"seed{s}")
+            cmd = command(a, c, s, iters[c], out_dir)
+            os.makedirs(out_dir, exist_ok=True)
+            log = open(os.path.join(a.runs_dir, c, f"seed{s}.log"), "a")
+            running[(c, s)] = (subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT), out_dir, log)
+            print(f"[{time.time() - t0:6.0f} s] start {c} seed {s}" + (" (resumed)" if "--resume" in cmd else ""), flush=True)
+        time.sleep(0.5)
+        for (c, s), (p, out_dir, log) in list(running.items()):
+            if p.poll() is None:
+                continue
+            log.close()
+            del running[(c, s)]
+            if p.returncode == 0:
+                collect(a, c, s, out_dir)
+            else:
+                failed.append(f"{c} seed {s} (exit {p.returncode}; see {log.name})")
+            print(f"[{time.time() - t0:6.0f} s] {'done' if p.returncode == 0 else 'FAILED'} {c} seed {s}", flush=True)
+    if failed:
+        sys.exit("error: runs failed: " + "; ".join(failed))
+
+
+# ---------------------------------------------------------------- summary
+def load(a):
+    runs = {}
+    for c in a.configs:
+        for s in a.seeds:
+            if os.path.exists(raw_path(a, c, s)):
+                runs.setdefault(c, []).append(json.load(open(raw_path(a, c, s))))
+    return runs
+
+
+def curves(run):
+    """Per evaluation: iteration, cumulative NFE, cumulative seconds, and the mean of every metric (train = mean of
+    the two training rewards, whatever the run trained on)."""
+    nfe, sec, cum = 0.0, 0.0, {0: (0.0, 0.0)}
+    for r in run["metrics"]:
+        nfe, sec = nfe + r.get("perf/nfe_per_iteration", 0), sec + r.get("perf/seconds_per_iteration", 0)
+        cum[r["iteration"]] = (nfe, sec)
+    out = []
+    for i, e in sorted(((int(k), v) for k, v in run["evals"].items())):
+        m = {k: sum(v) / len(v) for k, v in e.items()}
+        m["train"] = (m[A] + m[B]) / 2
+        out.append({"iteration": i, "nfe": cum[i][0], "seconds": cum[i][1], **m})
+    return out
+
+
+def at(curve, key, value, metric):
+    """metric at curve[key] == value, linear between the two evaluations around it (None if out of range)."""
+    for p, q in zip(curve, curve[1:]):
+        if p[key] <= value <= q[key]:
+            w = (value - p[key]) / (q[key] - p[key]) if q[key] > p[key] else 1.0
+            return p[metric] + w * (q[metric] - p[metric])
+    return None
+
+
+def stats(xs):
+    xs = [x for x in xs if x is not None]
+    if not xs:
+        return float("nan"), float("nan"), 0
+    m = sum(xs) / len(xs)
+    sd = math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) if len(xs) > 1 else float("nan")
+    return m, sd, len(xs)
+
+
+def cell(xs, base=None):
+    m, sd, n = stats(xs)
+    if base is None:
+        return f"{m:.4f} +- {sd:.4f}"
+    d = stats([x - b for x, b in zip(xs, base) if x is not None])
+    return f"{m:.4f} ({d[0]:+.4f} +- {d[1] / math.sqrt(d[2]) if d[2] > 1 else float('nan'):.4f})"
+
+
+def summarize(a):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = load(a)
+    if not runs:
+        sys.exit(f"error: no finished runs under {os.path.join(a.out, 'raw')}; run without --summary-only first")
+    cv = {c: [curves(r) for r in rs] for c, rs in runs.items()}
+    metrics = [A, B, S]
+    eq_iter = min(cv[c][0][-1]["iteration"] for c in cv)
+    eq_nfe = min(min(x[-1]["nfe"] for x in cv[c]) for c in cv)
+    lines = [f"# Toy-world comparison ({len(a.seeds)} seeds requested; seeds per row in the n column)", "",
+             f"Evaluation: ODE sampling, {a.eval_num} fixed held-out prompt/seed pairs. Cells: mean +- std over seeds; "
+             "in brackets the change from the base model (iteration 0) +- its standard error over seeds. "
+             f"{'A' if not a.iterations else 'Fixed iterations; a'} run's NFE counts every transformer forward "
+             "(sampling, ODE completions, training and reference forwards).", ""]
+    for title, key, value in [(f"Equal iterations ({eq_iter})", "iteration", eq_iter),
+                              (f"Equal NFE ({eq_nfe:,.0f} per run; linear between the two evaluations around it)", "nfe",
+                               eq_nfe), ("Each run's last evaluation (its full budget)", None, None)]:
+        lines += [f"## {title}", "", "| config | n | iterations | NFE | " + " | ".join(metrics) + " | strict gain > SE |",
+                  "|---|---|---|---|" + "---|" * len(metrics) + "---|"]
+        for c, xs in cv.items():
+            pick = (lambda x, m: x[-1][m]) if key is None else (lambda x, m: at(x, key, value, m))  # noqa: E731
+            base = [x[0][S] for x in xs]
+            gain = stats([pick(x, S) - b for x, b in zip(xs, base) if pick(x, S) is not None])
+            se = gain[1] / math.sqrt(gain[2]) if gain[2] > 1 else float("nan")
+            its, nfe = stats([pick(x, "iteration") for x in xs])[0], stats([pick(x, "nfe") for x in xs])[0]
+            lines.append(f"| {c} | {len(xs)} | {its:.0f} | {nfe:,.0f} | " + " | ".join(
+                cell([pick(x, m) for x in xs], [x[0][m] for x in xs]) for m in metrics) + f" | {'yes' if gain[0] > se else 'no'} |")
+        lines.append("")
+    lines += ["## Cost", "", "| config | NFE per iteration (measured) | closed form | seconds per iteration (one thread) "
+              "| training-batch reward, last 5 iterations (SDE samples or completions) |", "|---|---|---|---|---|"]
+    base_all = {m: stats([x[0][m] for xs in cv.values() for x in xs])[0] for m in metrics}
+    for c, rs in runs.items():
+        rows = [r for run in rs for r in run["metrics"] if "perf/nfe_per_iteration" in r]
+        tail = [r for run in rs for r in run["metrics"][-5:] if "perf/nfe_per_iteration" in r]
+        trained = sorted({k[7:-5] for r in tail for k in r if k.startswith("reward/") and k.endswith("_mean")})
+        lines.append(f"| {c} | {stats([r['perf/nfe_per_iteration'] for r in rows])[0]:,.0f} | {CONFIGS[c][2]:,} | "
+                     f"{stats([r['perf/seconds_per_iteration'] for r in rows])[0]:.1f} | "
+                     + ", ".join(f"{k} {stats([r[f'reward/{k}_mean'] for r in tail])[0]:.3f}" for k in trained) + " |")
+    lines += ["", "Base model (iteration 0, every run): " + ", ".join(f"{m} {v:.4f}" for m, v in base_all.items()), ""]
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, "tables.md"), "w") as f:
+        f.write("\n".join(lines))
+
+    def band(ax, configs, x_key, metric):
+        for c in configs:
+            if c not in cv:
+                continue
+            xs = cv[c]
+            n = min(len(x) for x in xs)
+            xv = [stats([x[i][x_key] for x in xs])[0] for i in range(n)]
+            ys = [stats([x[i][metric] for x in xs]) for i in range(n)]
+            m = [y[0] for y in ys]
+            se = [y[1] / math.sqrt(y[2]) if y[2] > 1 else 0.0 for y in ys]
+            ax.plot(xv, m, marker="o", ms=3, label=c)
+            ax.fill_between(xv, [u - s for u, s in zip(m, se)], [u + s for u, s in zip(m, se)], alpha=0.2)
+
+    names = {A: "colour/position reward", B: "shape/count reward", S: "strict accuracy", "train": "training reward (mean)"}
+    xlabels = {"iteration": "iteration", "nfe": "NFE (transformer forwards)", "seconds": "wall time (s, one thread)"}
+    for fig_name, (question, configs) in FIGURES.items():
+        rows_m = [A, B, S] if fig_name == "reward_hacking" else ["train", S]
+        fig, axes = plt.subplots(len(rows_m), 3, figsize=(13, 3.3 * len(rows_m)), squeeze=False)
+        for i, m in enumerate(rows_m):
+            for j, x_key in enumerate(xlabels):
+                band(axes[i, j], configs, x_key, m)
+                axes[i, j].set(xlabel=xlabels[x_key], ylabel=f"{names[m]} (ODE eval)")
+                axes[i, j].grid(alpha=0.3)
+        axes[0, 0].legend(fontsize=8)
+        fig.suptitle(f"{question}\nmean over seeds +- SE; {a.eval_num} held-out pairs", fontsize=10)
+        fig.tight_layout()
+        fig.savefig(os.path.join(a.out, f"{fig_name}.png"), dpi=100)
+        plt.close(fig)
+    print("\n".join(lines))
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS), metavar="CONFIG")
+    p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    p.add_argument("--workers", type=int, default=2, help="runs side by side, one thread each")
+    p.add_argument("--budget-nfe", type=float, default=61_440, help="NFE per run (= 20 Flow-GRPO iterations)")
+    p.add_argument("--min-iterations", type=int, default=10)
+    p.add_argument("--iterations", type=int, default=0, help="if > 0: this many iterations for every config")
+    p.add_argument("--eval-every", type=int, default=5)
+    p.add_argument("--eval-num", type=int, default=256)
+    p.add_argument("--extra", default="", help="flags appended to every run (e.g. smaller groups for a smoke test)")
+    p.add_argument("--runs-dir", default=os.path.join(ROOT, "runs", "compare"))
+    p.add_argument("--out", default=os.path.join(ROOT, "results", "compare"))
+    p.add_argument("--summary-only", action="store_true")
+    a = p.parse_args()
+    if a.workers < 1 or a.eval_every < 1 or a.min_iterations < 1 or a.budget_nfe <= 0:
+        sys.exit("error: --workers, --eval-every and --min-iterations must be >= 1 and --budget-nfe > 0")
+    if not a.summary_only:
+        run_all(a)
+    summarize(a)
+
+
+if __name__ == "__main__":
+    main()

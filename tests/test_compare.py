@@ -1,0 +1,57 @@
+"""results/compare.py: the budget plan, the equal-NFE interpolation, and a tiny end-to-end comparison (seconds per run)
+that writes raw logs, tables and plots and skips finished runs when run again."""
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from helpers import ROOT
+
+sys.path.insert(0, os.path.join(ROOT, "results"))
+import compare  # noqa: E402
+
+
+def test_plan_gives_each_config_the_nfe_budget_in_whole_evaluation_blocks():
+    a = argparse.Namespace(iterations=0, eval_every=5, min_iterations=10, budget_nfe=61_440, configs=list(compare.CONFIGS))
+    iters = compare.plan(a)
+    assert iters["flow_grpo"] == 20 and iters["dense_n1"] == 40 and iters["g2rpo_L123"] == 10
+    for c, n in iters.items():
+        nfe = compare.CONFIGS[c][2]
+        assert n % 5 == 0 and n >= 10 and n * nfe >= 61_440, c
+        assert n == 10 or (n - 5) * nfe < 61_440, c  # the smallest such count
+    a.iterations = 3
+    assert set(compare.plan(a).values()) == {3}
+
+
+def test_interpolation_between_evaluations():
+    curve = [{"nfe": 0.0, "x": 1.0}, {"nfe": 100.0, "x": 2.0}, {"nfe": 300.0, "x": 0.0}]
+    assert compare.at(curve, "nfe", 50.0, "x") == pytest.approx(1.5)
+    assert compare.at(curve, "nfe", 200.0, "x") == pytest.approx(1.0)
+    assert compare.at(curve, "nfe", 300.0, "x") == pytest.approx(0.0)
+    assert compare.at(curve, "nfe", 301.0, "x") is None
+
+
+def test_tiny_comparison_end_to_end_and_resumable(tmp_path):
+    cmd = [sys.executable, os.path.join(ROOT, "results", "compare.py"), "--configs", "flow_grpo", "dense_n1",
+           "--seeds", "0", "1", "--iterations", "1", "--eval-every", "1", "--eval-num", "4", "--workers", "2",
+           "--extra", "--group-size 3 --prompts-per-iteration 1", "--runs-dir", str(tmp_path / "runs"),
+           "--out", str(tmp_path / "out")]
+    first = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
+    for c in ("flow_grpo", "dense_n1"):
+        for s in (0, 1):
+            raw = json.load(open(tmp_path / "out" / "raw" / f"{c}__seed{s}.json"))
+            assert sorted(raw["evals"]) == ["0", "1"] and len(raw["evals"]["1"]["toy_strict"]) == 4
+            assert raw["metrics"][-1]["iteration"] == 1 and raw["metrics"][-1]["perf/nfe_per_iteration"] > 0
+            assert not os.path.exists(tmp_path / "runs" / c / f"seed{s}" / os.listdir(tmp_path / "runs" / c / f"seed{s}")[0]
+                                      / "checkpoints")  # pruned once collected
+    tables = open(tmp_path / "out" / "tables.md").read()
+    for heading in ("## Equal iterations (1)", "## Equal NFE", "## Cost", "| flow_grpo | 2 | 1 |", "| dense_n1 | 2 | 1 |"):
+        assert heading in tables
+    for fig in compare.FIGURES:
+        assert os.path.getsize(tmp_path / "out" / f"{fig}.png") > 10_000
+    again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0 and "0 runs to do" in again.stdout, again.stdout[-2000:] + again.stderr[-2000:]
