@@ -14,6 +14,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -108,6 +109,17 @@ def run_all(a):
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONWARNINGS="ignore",
                TOKENIZERS_PARALLELISM="false")
     running, failed, t0 = {}, [], time.time()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit("interrupted; run the same command again to resume"))
+    try:
+        loop(a, iters, todo, running, failed, env, t0)
+    finally:  # never leave runs behind: a rerun resumes them from their checkpoints
+        for p, _, _ in running.values():
+            p.terminate()
+    if failed:
+        sys.exit("error: runs failed: " + "; ".join(failed))
+
+
+def loop(a, iters, todo, running, failed, env, t0):
     while todo or running:
         while todo and len(running) < a.workers:
             c, s = todo.pop(0)
@@ -128,8 +140,6 @@ def run_all(a):
             else:
                 failed.append(f"{c} seed {s} (exit {p.returncode}; see {log.name})")
             print(f"[{time.time() - t0:6.0f} s] {'done' if p.returncode == 0 else 'FAILED'} {c} seed {s}", flush=True)
-    if failed:
-        sys.exit("error: runs failed: " + "; ".join(failed))
 
 
 # ---------------------------------------------------------------- summary

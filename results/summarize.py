@@ -64,8 +64,9 @@ def main():
             axes[0, j].set(title=f"eval: {m}", xlabel="iteration", ylabel="mean over held-out pairs")
         for k in train_keys:
             pts = [(r["iteration"], r[k]) for r in rows if k in r]
-            axes[0, -1].plot([p[0] for p in pts], [p[1] for p in pts], label=f"{label}: {k.split('/')[-1]}")
-        axes[0, -1].set(title="training (SDE samples)", xlabel="iteration", ylabel="reward")
+            smooth = [sum(p[1] for p in pts[max(0, i - 9):i + 1]) / len(pts[max(0, i - 9):i + 1]) for i in range(len(pts))]
+            axes[0, -1].plot([p[0] for p in pts], smooth, label=f"{label}: {k[7:-5]}")
+        axes[0, -1].set(title="training batches (10-iteration mean)", xlabel="iteration", ylabel="reward")
         for i, e in evals.items():
             cells = []
             for m in metrics:
