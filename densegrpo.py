@@ -16,7 +16,7 @@ from common import (NFE, apply_preset, broadcast_object, clipped_policy_loss, co
                     load_prompt_set, load_rewards, load_safely, log_metrics, make_trainable, make_writer, ode_complete,
                     optimizer_step, save_checkpoint, score, sde_step, seed_everything, select, setup_distributed,
                     sigma_schedule, swapped_in, velocity)
-from common import ode_complete, reference_kl, strided_indices  # algorithm specific
+from common import reference_kl, strided_indices  # algorithm specific
 
 
 @dataclass

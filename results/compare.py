@@ -24,17 +24,17 @@ A, B, S = "toy_color_position", "toy_shape_count", "toy_strict"
 PSI = os.path.join(ROOT, "results", "toy_psi.json")
 DANCE = ["--noise-form", "dance", "--noise-level", "0.3", "--timestep-selection", "random", "--same-init-noise",
          "--std-unbiased", "--adv-eps", "1e-8"]
-# name: (script, flags on top of the TOY preset, closed-form NFE per iteration incl. training and reference forwards)
+# name: (script, flags on top of the TOY preset, planned NFE per iteration: every forward, incl. training and reference)
 # flow_grpo / dance: 8 prompts x 12 x 16 steps + 8 trained steps x 96 x (policy + reference) = 1536 + 1536
-# g2rpo: 4 prompts x NFE per prompt (README table) + 8 trained steps x 48 (no KL)
+# g2rpo: 4 prompts x NFE per prompt (README table) + 8 trained steps x 4 prompts (v(x_k) is shared by a group; no KL)
 # densegrpo: 4 prompts x 12 x (16 + sum_t (min(n, t) - 1)) + 8 trained steps x 48 x (policy + reference)
 CONFIGS = {
     "flow_grpo": ("flow_grpo.py", [], 3072),
     "dance_grpo": ("flow_grpo.py", DANCE, 3072),
-    "g2rpo_L1": ("g2rpo.py", ["--lambdas", "1"], 4 * 1112 + 384),
-    "g2rpo_L12": ("g2rpo.py", ["--lambdas", "1", "2"], 4 * 1592 + 384),
-    "g2rpo_L13": ("g2rpo.py", ["--lambdas", "1", "3"], 4 * 1412 + 384),
-    "g2rpo_L123": ("g2rpo.py", ["--lambdas", "1", "2", "3"], 4 * 1892 + 384),
+    "g2rpo_L1": ("g2rpo.py", ["--lambdas", "1"], 4 * 1112 + 32),
+    "g2rpo_L12": ("g2rpo.py", ["--lambdas", "1", "2"], 4 * 1592 + 32),
+    "g2rpo_L13": ("g2rpo.py", ["--lambdas", "1", "3"], 4 * 1412 + 32),
+    "g2rpo_L123": ("g2rpo.py", ["--lambdas", "1", "2", "3"], 4 * 1892 + 32),
     "dense_uniform": ("densegrpo.py", ["--prompts-per-iteration", "4"], 4 * 12 * 136 + 768),
     "dense_calibrated": ("densegrpo.py", ["--prompts-per-iteration", "4", "--psi", PSI], 4 * 12 * 136 + 768),
     "dense_n1": ("densegrpo.py", ["--prompts-per-iteration", "4", "--psi", PSI, "--dense-ode-steps", "1"], 4 * 12 * 16 + 768),
@@ -222,19 +222,26 @@ def summarize(a):
             gain = stats([pick(x, S) - b for x, b in zip(xs, base) if pick(x, S) is not None])
             se = gain[1] / math.sqrt(gain[2]) if gain[2] > 1 else float("nan")
             its, nfe = stats([pick(x, "iteration") for x in xs])[0], stats([pick(x, "nfe") for x in xs])[0]
-            lines.append(f"| {c} | {len(xs)} | {its:.0f} | {nfe:,.0f} | " + " | ".join(
-                cell([pick(x, m) for x in xs], [x[0][m] for x in xs]) for m in metrics) + f" | {'yes' if gain[0] > se else 'no'} |")
+            cells = [cell([pick(x, m) for x in xs], [x[0][m] for x in xs]) for m in metrics]
+            lines.append(f"| {c} | {len(xs)} | {its:.1f} | {nfe:,.0f} | " + " | ".join(cells)
+                         + f" | {'yes' if gain[0] > se else 'no'} |")
         lines.append("")
-    lines += ["## Cost", "", "| config | NFE per iteration (measured) | closed form | seconds per iteration (one thread) "
-              "| training-batch reward, last 5 iterations (SDE samples or completions) |", "|---|---|---|---|---|"]
-    base_all = {m: stats([x[0][m] for xs in cv.values() for x in xs])[0] for m in metrics}
+    lines += ["## Cost", "", "Rollout NFE per prompt: the sampler plus every ODE completion, measured and the closed-form "
+              "minimum (`perf/nfe_min_per_prompt`; G T for Flow-GRPO). All forwards per iteration: the rollout plus the "
+              "training and reference forwards (G2RPO's training forward v(x_k) is one per prompt, shared by its group). "
+              "Seconds: one thread, two runs side by side on 2 cores.", "",
+              "| config | rollout NFE per prompt | closed-form minimum | all forwards per iteration | seconds per iteration "
+              "| training-batch rewards, last 5 iterations |", "|---|---|---|---|---|---|"]
     for c, rs in runs.items():
         rows = [r for run in rs for r in run["metrics"] if "perf/nfe_per_iteration" in r]
         tail = [r for run in rs for r in run["metrics"][-5:] if "perf/nfe_per_iteration" in r]
         trained = sorted({k[7:-5] for r in tail for k in r if k.startswith("reward/") and k.endswith("_mean")})
-        lines.append(f"| {c} | {stats([r['perf/nfe_per_iteration'] for r in rows])[0]:,.0f} | {CONFIGS[c][2]:,} | "
-                     f"{stats([r['perf/seconds_per_iteration'] for r in rows])[0]:.1f} | "
+        mean = lambda k, rs=rows: stats([r[k] for r in rs if k in r])[0]  # noqa: E731
+        nfe_min = mean("perf/nfe_min_per_prompt") if "perf/nfe_min_per_prompt" in rows[0] else 12 * 16
+        lines.append(f"| {c} | {mean('perf/nfe_rollout_per_prompt'):,.0f} | {nfe_min:,.0f} | "
+                     f"{mean('perf/nfe_per_iteration'):,.0f} | {mean('perf/seconds_per_iteration'):.1f} | "
                      + ", ".join(f"{k} {stats([r[f'reward/{k}_mean'] for r in tail])[0]:.3f}" for k in trained) + " |")
+    base_all = {m: stats([x[0][m] for xs in cv.values() for x in xs])[0] for m in metrics}
     lines += ["", "Base model (iteration 0, every run): " + ", ".join(f"{m} {v:.4f}" for m, v in base_all.items()), ""]
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "tables.md"), "w") as f:
@@ -263,7 +270,8 @@ def summarize(a):
                 band(axes[i, j], configs, x_key, m)
                 axes[i, j].set(xlabel=xlabels[x_key], ylabel=f"{names[m]} (ODE eval)")
                 axes[i, j].grid(alpha=0.3)
-        axes[0, 0].legend(fontsize=8)
+        if axes[0, 0].get_legend_handles_labels()[0]:
+            axes[0, 0].legend(fontsize=8)
         fig.suptitle(f"{question}\nmean over seeds +- SE; {a.eval_num} held-out pairs", fontsize=10)
         fig.tight_layout()
         fig.savefig(os.path.join(a.out, f"{fig_name}.png"), dpi=100)

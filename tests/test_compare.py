@@ -49,7 +49,7 @@ def test_tiny_comparison_end_to_end_and_resumable(tmp_path):
             assert not os.path.exists(tmp_path / "runs" / c / f"seed{s}" / os.listdir(tmp_path / "runs" / c / f"seed{s}")[0]
                                       / "checkpoints")  # pruned once collected
     tables = open(tmp_path / "out" / "tables.md").read()
-    for heading in ("## Equal iterations (1)", "## Equal NFE", "## Cost", "| flow_grpo | 2 | 1 |", "| dense_n1 | 2 | 1 |"):
+    for heading in ("## Equal iterations (1)", "## Equal NFE", "## Cost", "| flow_grpo | 2 | 1.0 |", "| dense_n1 | 2 | 1.0 |"):
         assert heading in tables
     for fig in compare.FIGURES:
         assert os.path.getsize(tmp_path / "out" / f"{fig}.png") > 10_000
