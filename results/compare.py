@@ -21,7 +21,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 A, B, S = "toy_color_position", "toy_shape_count", "toy_strict"
-PSI = os.path.join(ROOT, "results", "toy_psi.json")
+PSI = "results/toy_psi.json"  # runs start in the repository root
 DANCE = ["--noise-form", "dance", "--noise-level", "0.3", "--timestep-selection", "random", "--same-init-noise",
          "--std-unbiased", "--adv-eps", "1e-8"]
 # name: (script, flags on top of the TOY preset, planned NFE per iteration: every forward, incl. training and reference)
@@ -66,6 +66,19 @@ def raw_path(a, config, seed):
     return os.path.join(a.out, "raw", f"{config}__seed{seed}.json")
 
 
+def settings(a, config, iterations):
+    """Everything a finished or interrupted run depends on; a rerun must match it to reuse the run."""
+    return {"iterations": iterations, "eval_every": a.eval_every, "eval_num": a.eval_num, "extra": a.extra,
+            "flags": CONFIGS[config][1]}
+
+
+def check_settings(path, want):
+    if os.path.exists(path):
+        have = json.load(open(path)).get("settings")
+        if have != want:
+            sys.exit(f"error: {path} was made with {have}, not {want}; pass another --out / --runs-dir or delete it")
+
+
 def command(a, config, seed, iterations, out_dir):
     script, flags, _ = CONFIGS[config]
     cmd = [sys.executable, os.path.join(ROOT, script), "--model", "toy", "--seed", str(seed), "--output-dir", out_dir,
@@ -80,7 +93,7 @@ def command(a, config, seed, iterations, out_dir):
     return cmd + (["--resume", max(resumable)] if resumable else [])
 
 
-def collect(a, config, seed, out_dir):
+def collect(a, config, seed, iterations, out_dir):
     """Copy a finished run's logs into raw/ (per-iteration metrics, every evaluation's per-pair scores)."""
     (run,) = [os.path.join(out_dir, d) for d in os.listdir(out_dir)]
     rows = {}
@@ -94,15 +107,19 @@ def collect(a, config, seed, out_dir):
     os.makedirs(os.path.dirname(raw_path(a, config, seed)), exist_ok=True)
     tmp = raw_path(a, config, seed) + ".tmp"
     with open(tmp, "w") as f:
-        json.dump({"config": config, "seed": seed, "command": CONFIGS[config][:2], "extra": a.extra,
-                   "nfe_closed_form": CONFIGS[config][2], "metrics": [rows[i] for i in sorted(rows)],
-                   "evals": {str(i): evals[i] for i in sorted(evals)}}, f)
+        json.dump({"config": config, "seed": seed, "script": CONFIGS[config][0], "settings": settings(a, config, iterations),
+                   "metrics": [rows[i] for i in sorted(rows) if i <= iterations],
+                   "evals": {str(i): evals[i] for i in sorted(evals) if i <= iterations}}, f)
     os.replace(tmp, raw_path(a, config, seed))
     shutil.rmtree(os.path.join(run, "checkpoints"), ignore_errors=True)
 
 
 def run_all(a):
     iters = plan(a)
+    for c in a.configs:
+        for s in a.seeds:
+            check_settings(raw_path(a, c, s), settings(a, c, iters[c]))
+            check_settings(os.path.join(a.runs_dir, c, f"seed{s}.json"), settings(a, c, iters[c]))
     todo = [(c, s) for s in a.seeds for c in sorted(a.configs, key=lambda c: -iters[c] * CONFIGS[c][2])
             if not os.path.exists(raw_path(a, c, s))]
     print(f"{len(todo)} runs to do, {a.workers} at a time; iterations per config: {iters}", flush=True)
@@ -113,8 +130,11 @@ def run_all(a):
     try:
         loop(a, iters, todo, running, failed, env, t0)
     finally:  # never leave runs behind: a rerun resumes them from their checkpoints
-        for p, _, _ in running.values():
+        for p, _, log in running.values():
             p.terminate()
+        for p, _, log in running.values():
+            p.wait(timeout=60)
+            log.close()
     if failed:
         sys.exit("error: runs failed: " + "; ".join(failed))
 
@@ -126,8 +146,12 @@ def loop(a, iters, todo, running, failed, env, t0):
             out_dir = os.path.join(a.runs_dir, c, f"seed{s}")
             cmd = command(a, c, s, iters[c], out_dir)
             os.makedirs(out_dir, exist_ok=True)
-            log = open(os.path.join(a.runs_dir, c, f"seed{s}.log"), "a")
+            with open(out_dir + ".json", "w") as f:
+                json.dump({"settings": settings(a, c, iters[c])}, f)
+            log = open(out_dir + ".log", "a")
+            signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGTERM])  # a child is always registered before a stop
             running[(c, s)] = (subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT), out_dir, log)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGTERM])
             print(f"[{time.time() - t0:6.0f} s] start {c} seed {s}" + (" (resumed)" if "--resume" in cmd else ""), flush=True)
         time.sleep(0.5)
         for (c, s), (p, out_dir, log) in list(running.items()):
@@ -136,7 +160,7 @@ def loop(a, iters, todo, running, failed, env, t0):
             log.close()
             del running[(c, s)]
             if p.returncode == 0:
-                collect(a, c, s, out_dir)
+                collect(a, c, s, iters[c], out_dir)
             else:
                 failed.append(f"{c} seed {s} (exit {p.returncode}; see {log.name})")
             print(f"[{time.time() - t0:6.0f} s] {'done' if p.returncode == 0 else 'FAILED'} {c} seed {s}", flush=True)
@@ -185,12 +209,21 @@ def stats(xs):
     return m, sd, len(xs)
 
 
-def cell(xs, base=None):
-    m, sd, n = stats(xs)
-    if base is None:
-        return f"{m:.4f} +- {sd:.4f}"
-    d = stats([x - b for x, b in zip(xs, base) if x is not None])
-    return f"{m:.4f} ({d[0]:+.4f} +- {d[1] / math.sqrt(d[2]) if d[2] > 1 else float('nan'):.4f})"
+def cell(xs, base):
+    """'mean +- std over seeds (change from the base model +- its standard error over seeds)'."""
+    m, sd, _ = stats(xs)
+    d, dsd, n = stats([x - b for x, b in zip(xs, base) if x is not None])
+    return f"{m:.4f} +- {sd:.4f} ({d:+.4f} +- {dsd / math.sqrt(n) if n > 1 else float('nan'):.4f})"
+
+
+def closed_form(run):
+    """Closed-form minimum rollout NFE per prompt: logged by G2RPO and DenseGRPO; G T for Flow-GRPO."""
+    rows = [r for r in run["metrics"] if "perf/nfe_min_per_prompt" in r]
+    if rows:
+        return rows[0]["perf/nfe_min_per_prompt"]
+    tokens = run["settings"]["flags"] + run["settings"]["extra"].split()
+    value = lambda flag, default: int(tokens[len(tokens) - 1 - tokens[::-1].index(flag) + 1]) if flag in tokens else default  # noqa: E731
+    return value("--group-size", 12) * value("--num-steps", 16)  # the TOY preset's G and T unless overridden
 
 
 def summarize(a):
@@ -204,41 +237,40 @@ def summarize(a):
         sys.exit(f"error: no finished runs under {os.path.join(a.out, 'raw')}; run without --summary-only first")
     cv = {c: [curves(r) for r in rs] for c, rs in runs.items()}
     metrics = [A, B, S]
-    eq_iter = min(cv[c][0][-1]["iteration"] for c in cv)
-    eq_nfe = min(min(x[-1]["nfe"] for x in cv[c]) for c in cv)
+    eq_iter = min(x[-1]["iteration"] for xs in cv.values() for x in xs)
+    eq_nfe = min(x[-1]["nfe"] for xs in cv.values() for x in xs)
+    pairs = sorted({len(e[S]) for rs in runs.values() for r in rs for e in r["evals"].values()})
     lines = [f"# Toy-world comparison ({len(a.seeds)} seeds requested; seeds per row in the n column)", "",
-             f"Evaluation: ODE sampling, {a.eval_num} fixed held-out prompt/seed pairs. Cells: mean +- std over seeds; "
-             "in brackets the change from the base model (iteration 0) +- its standard error over seeds. "
-             f"{'A' if not a.iterations else 'Fixed iterations; a'} run's NFE counts every transformer forward "
-             "(sampling, ODE completions, training and reference forwards).", ""]
+             f"Evaluation: ODE sampling, {'/'.join(map(str, pairs))} fixed held-out prompt/seed pairs. Cells: mean +- std "
+             "over seeds, in brackets the change from the base model (iteration 0) +- its standard error over seeds; "
+             "'strict gain / SE' is that change of the strict metric over its standard error (n/a with one seed). "
+             "NFE counts every transformer forward (sampling, ODE completions, training and reference forwards).", ""]
     for title, key, value in [(f"Equal iterations ({eq_iter})", "iteration", eq_iter),
                               (f"Equal NFE ({eq_nfe:,.0f} per run; linear between the two evaluations around it)", "nfe",
                                eq_nfe), ("Each run's last evaluation (its full budget)", None, None)]:
-        lines += [f"## {title}", "", "| config | n | iterations | NFE | " + " | ".join(metrics) + " | strict gain > SE |",
+        lines += [f"## {title}", "", "| config | n | iterations | NFE | " + " | ".join(metrics) + " | strict gain / SE |",
                   "|---|---|---|---|" + "---|" * len(metrics) + "---|"]
         for c, xs in cv.items():
             pick = (lambda x, m: x[-1][m]) if key is None else (lambda x, m: at(x, key, value, m))  # noqa: E731
-            base = [x[0][S] for x in xs]
-            gain = stats([pick(x, S) - b for x, b in zip(xs, base) if pick(x, S) is not None])
-            se = gain[1] / math.sqrt(gain[2]) if gain[2] > 1 else float("nan")
+            gain = stats([pick(x, S) - x[0][S] for x in xs if pick(x, S) is not None])
+            t = f"{gain[0] / (gain[1] / math.sqrt(gain[2])):+.1f}" if gain[2] > 1 and gain[1] > 0 else "n/a"
             its, nfe = stats([pick(x, "iteration") for x in xs])[0], stats([pick(x, "nfe") for x in xs])[0]
             cells = [cell([pick(x, m) for x in xs], [x[0][m] for x in xs]) for m in metrics]
-            lines.append(f"| {c} | {len(xs)} | {its:.1f} | {nfe:,.0f} | " + " | ".join(cells)
-                         + f" | {'yes' if gain[0] > se else 'no'} |")
+            lines.append(f"| {c} | {gain[2]} | {its:.1f} | {nfe:,.0f} | " + " | ".join(cells) + f" | {t} |")
         lines.append("")
     lines += ["## Cost", "", "Rollout NFE per prompt: the sampler plus every ODE completion, measured and the closed-form "
               "minimum (`perf/nfe_min_per_prompt`; G T for Flow-GRPO). All forwards per iteration: the rollout plus the "
               "training and reference forwards (G2RPO's training forward v(x_k) is one per prompt, shared by its group). "
-              "Seconds: one thread, two runs side by side on 2 cores.", "",
-              "| config | rollout NFE per prompt | closed-form minimum | all forwards per iteration | seconds per iteration "
-              "| training-batch rewards, last 5 iterations |", "|---|---|---|---|---|---|"]
+              f"Seconds: training seconds per iteration on one thread, {a.workers} runs side by side (evaluation not "
+              "counted).", "", "| config | rollout NFE per prompt | closed-form minimum | all forwards per iteration "
+              "| seconds per iteration | training-batch rewards, mean of each run's last 5 iterations |",
+              "|---|---|---|---|---|---|"]
     for c, rs in runs.items():
         rows = [r for run in rs for r in run["metrics"] if "perf/nfe_per_iteration" in r]
         tail = [r for run in rs for r in run["metrics"][-5:] if "perf/nfe_per_iteration" in r]
         trained = sorted({k[7:-5] for r in tail for k in r if k.startswith("reward/") and k.endswith("_mean")})
         mean = lambda k, rs=rows: stats([r[k] for r in rs if k in r])[0]  # noqa: E731
-        nfe_min = mean("perf/nfe_min_per_prompt") if "perf/nfe_min_per_prompt" in rows[0] else 12 * 16
-        lines.append(f"| {c} | {mean('perf/nfe_rollout_per_prompt'):,.0f} | {nfe_min:,.0f} | "
+        lines.append(f"| {c} | {mean('perf/nfe_rollout_per_prompt'):,.0f} | {stats([closed_form(r) for r in rs])[0]:,.0f} | "
                      f"{mean('perf/nfe_per_iteration'):,.0f} | {mean('perf/seconds_per_iteration'):.1f} | "
                      + ", ".join(f"{k} {stats([r[f'reward/{k}_mean'] for r in tail])[0]:.3f}" for k in trained) + " |")
     base_all = {m: stats([x[0][m] for xs in cv.values() for x in xs])[0] for m in metrics}
@@ -248,20 +280,24 @@ def summarize(a):
         f.write("\n".join(lines))
 
     def band(ax, configs, x_key, metric):
+        """Mean over the seeds that have an evaluation at each iteration, +- the standard error where n > 1."""
         for c in configs:
             if c not in cv:
                 continue
-            xs = cv[c]
-            n = min(len(x) for x in xs)
-            xv = [stats([x[i][x_key] for x in xs])[0] for i in range(n)]
-            ys = [stats([x[i][metric] for x in xs]) for i in range(n)]
+            points = {}
+            for x in cv[c]:
+                for p in x:
+                    points.setdefault(p["iteration"], []).append(p)
+            its = sorted(points)
+            xv = [stats([p[x_key] for p in points[i]])[0] for i in its]
+            ys = [stats([p[metric] for p in points[i]]) for i in its]
             m = [y[0] for y in ys]
-            se = [y[1] / math.sqrt(y[2]) if y[2] > 1 else 0.0 for y in ys]
-            ax.plot(xv, m, marker="o", ms=3, label=c)
+            se = [y[1] / math.sqrt(y[2]) if y[2] > 1 else float("nan") for y in ys]
+            ax.plot(xv, m, marker="o", ms=3, label=f"{c} (n = {len(cv[c])})")
             ax.fill_between(xv, [u - s for u, s in zip(m, se)], [u + s for u, s in zip(m, se)], alpha=0.2)
 
     names = {A: "colour/position reward", B: "shape/count reward", S: "strict accuracy", "train": "training reward (mean)"}
-    xlabels = {"iteration": "iteration", "nfe": "NFE (transformer forwards)", "seconds": "wall time (s, one thread)"}
+    xlabels = {"iteration": "iteration", "nfe": "NFE (transformer forwards)", "seconds": "training time (s, one thread)"}
     for fig_name, (question, configs) in FIGURES.items():
         rows_m = [A, B, S] if fig_name == "reward_hacking" else ["train", S]
         fig, axes = plt.subplots(len(rows_m), 3, figsize=(13, 3.3 * len(rows_m)), squeeze=False)
@@ -272,7 +308,8 @@ def summarize(a):
                 axes[i, j].grid(alpha=0.3)
         if axes[0, 0].get_legend_handles_labels()[0]:
             axes[0, 0].legend(fontsize=8)
-        fig.suptitle(f"{question}\nmean over seeds +- SE; {a.eval_num} held-out pairs", fontsize=10)
+        fig.suptitle(f"{question}\nmean over seeds (band: +- SE over seeds); ODE evaluation on "
+                     f"{'/'.join(map(str, pairs))} held-out pairs", fontsize=10)
         fig.tight_layout()
         fig.savefig(os.path.join(a.out, f"{fig_name}.png"), dpi=100)
         plt.close(fig)
