@@ -39,10 +39,28 @@ def apply_preset(args, preset: dict, argv=None):
 
 
 # ======== 1. Schedules ========
-def sigma_schedule(num_steps: int, shift: float) -> torch.Tensor:
-    """Shifted flow-matching noise levels sigma_0 = 1 > ... > sigma_T = 0: shift*u / (1 + (shift-1)*u), u = linspace(1, 0)."""
-    u = torch.linspace(1, 0, num_steps + 1, dtype=torch.float64)
-    return (shift * u / (1 + (shift - 1) * u)).float()
+def sigma_schedule(num_steps: int, shift: float, pipe=None, kind: str = "flux", image_tokens: int = 0) -> torch.Tensor:
+    """Noise levels sigma_0 = 1 > ... > sigma_T = 0 for T = num_steps sampling steps.
+
+    Without `pipe`: shift*u / (1 + (shift-1)*u) on u = linspace(1, 0, T + 1) (DanceGRPO, G2RPO). With `pipe`: the
+    pipeline's own scheduler and its config, as diffusers' pipelines (and Flow-GRPO) call it: SD3
+    `set_timesteps(T)` (shift 3, sigma_min shifted too); Flux `linspace(1, 1/T, T)` with the resolution-dependent
+    mu = calculate_shift(image_tokens) when the scheduler shifts dynamically (FLUX.1-dev); then sigma = 0."""
+    if pipe is None:
+        u = torch.linspace(1, 0, num_steps + 1, dtype=torch.float64)
+        return (shift * u / (1 + (shift - 1) * u)).float()
+    import numpy as np
+    from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+
+    scheduler = type(pipe.scheduler).from_config(pipe.scheduler.config)  # a copy: the pipeline's state is untouched
+    c = scheduler.config
+    mu = calculate_shift(image_tokens, c.get("base_image_seq_len", 256), c.get("max_image_seq_len", 4096),
+                         c.get("base_shift", 0.5), c.get("max_shift", 1.15))
+    if kind == "flux":
+        scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / num_steps, num_steps), mu=mu)
+    else:
+        scheduler.set_timesteps(num_steps, mu=mu if c.get("use_dynamic_shifting") else None)
+    return scheduler.sigmas.float().cpu()
 
 
 def strided_indices(start: int, end: int, stride: int) -> list[int]:
@@ -51,6 +69,13 @@ def strided_indices(start: int, end: int, stride: int) -> list[int]:
     if stride < 1:
         fail(f"stride {stride} is not allowed; use an integer >= 1")
     return list(range(start, end, stride)) + [end]
+
+
+def spaced_indices(start: int, end: int, n: int) -> list[int]:
+    """Exactly min(n, end - start) steps from schedule index `start` to `end`, as evenly spaced as integers allow:
+    start + ceil(j (end - start) / n). n = 1 jumps straight to `end`; n >= end - start visits every index."""
+    n = min(n, end - start)
+    return [start + -(-j * (end - start) // n) for j in range(n + 1)]
 
 
 # ======== 2. SDE / ODE steps (all step math in float32, shared by sampling and training so log-probs match exactly) ========
@@ -120,11 +145,9 @@ def ode_complete(transformer, kind: str, x, paths: list, sigmas, emb: dict, guid
 
 # ======== 3. Model: loading, prompt encoding, velocity (with an NFE counter), decoding, trainable parameters ========
 NFE = {"count": 0}  # per-sample transformer evaluations (a CFG pair counts once); every forward goes through velocity()
-LORA_TARGETS = {
-    "sd3": ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"],
-    "flux": ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
-             "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2"],
-}
+_ATTN = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj",
+         "attn.to_add_out"]  # "attn." as in Flow-GRPO: SD3.5-M's second attention (attn2) gets no adapter
+LORA_TARGETS = {"sd3": _ATTN, "flux": _ATTN + ["ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2"]}
 
 
 def load_pipeline(model: str, device, dtype=torch.float32):
@@ -191,7 +214,7 @@ def velocity(transformer, kind: str, x, sigma, emb: dict, guidance: float = 1.0)
     NFE["count"] += x.shape[0]
     b, c, h, w = x.shape
     dtype = next(transformer.parameters()).dtype
-    t = torch.as_tensor(sigma, dtype=torch.float32).to(x.device, dtype).expand(b).contiguous()  # scalar or one per row
+    t = torch.as_tensor(sigma, dtype=torch.float32).to(x.device).expand(b).contiguous()  # float32, not the weights' dtype
     if kind == "flux":
         packed = FluxPipeline._pack_latents(x.to(dtype), b, c, h, w)
         img_ids = FluxPipeline._prepare_latent_image_ids(b, h // 2, w // 2, x.device, dtype)
@@ -254,13 +277,16 @@ def adapters_disabled(transformer, enabled: bool = True):
 
 
 def reference_kl(ref, kind: str, x, sigmas, i: int, emb: dict, guidance: float, noise_level: float, prev_sample, form: str,
-                 mean, std: float, lora: bool):
-    """KL between the policy's and the reference model's Gaussian steps from x (Flow-GRPO): |mu - mu_ref|^2 / (2 std^2),
-    per-element mean. The reference is the same transformer with its LoRA adapter off (`lora`) or a frozen copy."""
+                 mean, std: float, lora: bool, exact: bool = False):
+    """KL between the policy's and the reference model's Gaussian steps from x, per-element mean of |mu - mu_ref|^2
+    divided by 2 std_dev_t^2 (Flow-GRPO's code: std_dev_t = std / sqrt(-dt), without the step's sqrt(-dt)) or, if
+    `exact`, by 2 std^2 (the Gaussian KL of the papers' formula: the official value divided by |dt|). The reference
+    is the same transformer with its LoRA adapter off (`lora`) or a frozen copy."""
     with torch.no_grad(), adapters_disabled(ref, lora):
         v_ref = velocity(ref, kind, x, sigmas[i], emb, guidance)
     mean_ref = sde_step(v_ref, x, sigmas, i, noise_level, prev_sample=prev_sample, form=form)[2]
-    return ((mean - mean_ref) ** 2).mean(dim=tuple(range(1, x.ndim))).mean() / (2 * std**2)
+    var = std**2 if exact else std**2 / float(sigmas[i] - sigmas[i + 1])
+    return ((mean - mean_ref) ** 2).mean(dim=tuple(range(1, x.ndim))).mean() / (2 * var)
 
 
 # ======== 4. Rewards: each is fn(images [B, 3, H, W] in [0, 1], prompts) -> tensor [B] ========
@@ -293,7 +319,6 @@ def open_clip_reward(name: str, device, checkpoint: str | None = None, pad_squar
     ('ViT-H-14', built without pretrained weights), 'hf-hub:...' or a local directory with open_clip_config.json;
     `checkpoint`: a state_dict loaded strictly on top (HPS)."""
     import open_clip
-    from open_clip.constants import OPENAI_DATASET_MEAN, OPENAI_DATASET_STD
 
     name = f"local-dir:{name}" if os.path.isdir(name) else name
     try:
@@ -304,12 +329,12 @@ def open_clip_reward(name: str, device, checkpoint: str | None = None, pad_squar
         state = load_safely(checkpoint)
         model.load_state_dict(state.get("state_dict", state), strict=True)
     model.eval().requires_grad_(False).to(device)
-    size = model.visual.image_size
+    size, cfg = model.visual.image_size, open_clip.get_model_preprocess_cfg(model)  # the model's own mean / std
     size, tokenizer = (size[0] if isinstance(size, (tuple, list)) else size), open_clip.get_tokenizer(name)
 
     @torch.no_grad()
     def score(images, prompts):
-        x = _clip_preprocess(images.to(device), size, OPENAI_DATASET_MEAN, OPENAI_DATASET_STD, pad_square)
+        x = _clip_preprocess(images.to(device), size, cfg["mean"], cfg["std"], pad_square)
         img = torch.nn.functional.normalize(model.encode_image(x).float(), dim=-1)
         txt = torch.nn.functional.normalize(model.encode_text(tokenizer(list(prompts)).to(device)).float(), dim=-1)
         return (img * txt).sum(-1)
@@ -560,8 +585,10 @@ def image_grid(images, captions, ncols: int = 6):
 
 
 @torch.no_grad()
-def ema_update(ema: list, params: list, decay: float):
-    """Exponential moving average of the trainable parameters (used for evaluation and the exported weights)."""
+def ema_update(ema: list, params: list, decay: float, step: int):
+    """Exponential moving average of the trainable parameters (used for evaluation and the exported weights), with
+    Flow-GRPO's warm-up: the decay is min((1 + s) / (10 + s), decay) after s optimizer steps."""
+    decay = min((1 + step) / (10 + step), decay)
     for e, p in zip(ema, params):
         e.mul_(decay).add_(p.detach().float(), alpha=1 - decay)
 

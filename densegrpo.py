@@ -16,7 +16,7 @@ from common import (NFE, apply_preset, broadcast_object, clipped_policy_loss, co
                     load_prompt_set, load_rewards, load_safely, log_metrics, make_trainable, make_writer, ode_complete,
                     optimizer_step, save_checkpoint, score, sde_step, seed_everything, select, setup_distributed,
                     sigma_schedule, swapped_in, velocity)
-from common import reference_kl, strided_indices  # algorithm specific
+from common import reference_kl, spaced_indices  # algorithm specific
 
 
 @dataclass
@@ -43,12 +43,14 @@ class Args:
     """autocast dtype for model forwards on CUDA (frozen weights are stored in it); the SDE math is always float32"""
     resolution: int = 512
     """image height and width in pixels"""
-    max_sequence_length: int = 256
+    max_sequence_length: int = 128
     """T5 prompt length in tokens"""
     guidance: float = 4.5
     """classifier-free guidance scale (SD3, empty negative prompt) or guidance embedding (Flux)"""
+    schedule: Literal["pipeline", "shifted"] = "pipeline"
+    """noise levels: the pipeline's own scheduler (Flow-GRPO) or shift*u / (1 + (shift-1)*u) on linspace(1, 0, T+1)"""
     shift: float = 3.0
-    """schedule shift: sigma = shift*u / (1 + (shift-1)*u) on u = linspace(1, 0, T+1)"""
+    """the shift of --schedule shifted (the pipeline schedule takes its shift from the scheduler's config)"""
 
     # Data and rewards
     prompts: str = "data/pickscore/train.txt"
@@ -101,7 +103,9 @@ class Args:
     psi_out: str | None = None
     """where --calibrate writes psi (default: <run dir>/psi.json)"""
     eps1: float = 2.0
-    """calibration: psi(t) rises when |#(Delta R_t > 0) - #(Delta R_t < 0)| < eps1, else falls"""
+    """calibration: psi(t) rises when the imbalance |#(Delta R_t > 0) - #(Delta R_t < 0)| is < eps1, else falls"""
+    calibration_rule: Literal["group", "pooled"] = "group"
+    """calibration: the imbalance counted within each group and averaged over the prompts, or pooled over all trajectories"""
     eps2: float = 0.01
     """calibration: the step by which psi(t) moves"""
     psi_range: tuple[float, float] = (0.1, 1.5)
@@ -124,6 +128,9 @@ class Args:
     """PPO ratio clip range"""
     beta: float = 0.01
     """KL coefficient against the reference model (LoRA disabled, or a frozen copy when fully fine-tuning)"""
+    kl_form: Literal["official", "exact"] = "official"
+    """KL scale: |mu - mu_ref|^2 / (2 std_dev_t^2) as Flow-GRPO's code (beta was tuned with it), or the exact
+    Gaussian KL (that divided by |dt|)"""
 
     # Optimisation
     full_finetune: bool = False
@@ -139,11 +146,12 @@ class Args:
     max_grad_norm: float = 1.0
     """gradient-norm clip"""
     updates_per_iteration: int = 2
-    """optimizer steps per iteration (the samples are split into this many mini-batches; the first is on-policy)"""
+    """optimizer steps per iteration: the iteration's training terms split into this many mini-batches (the first is
+    on-policy)"""
     ema: bool = True
     """keep an EMA of the trainable weights for evaluation and the exported weights"""
     ema_decay: float = 0.9
-    """EMA decay"""
+    """EMA decay, reached after a warm-up: min((1 + s) / (10 + s), ema_decay) after s optimizer steps"""
     ema_every: int = 8
     """EMA update interval in optimizer steps"""
     num_iterations: int = 300
@@ -162,9 +170,10 @@ class Args:
 TOY = dict(model="toy", mixed_precision="no", resolution=32, max_sequence_length=16, guidance=3.5, prompts="toy",
            eval_prompts="toy", rewards=("toy_color_position", "toy_shape_count"), eval_rewards=("toy_strict",),
            reward_combine="advantages", num_steps=16, eval_steps=16, group_size=12, micro_batch=48,
-           full_finetune=True, learning_rate=1e-4, ema=False, num_iterations=60, eval_every=20, eval_num=256,
-           save_every=20, log_images_every=20,
-           noise_level=0.5, prompts_per_iteration=8, timestep_fraction=0.5, global_std=False, beta=0.04, updates_per_iteration=1)
+           full_finetune=True, ema=False, num_iterations=60, eval_every=20, eval_num=256, save_every=20,
+           log_images_every=20,
+           learning_rate=1e-4, noise_level=0.5, prompts_per_iteration=8, timestep_fraction=0.5, global_std=False, beta=0.04,
+           updates_per_iteration=1)
 
 
 def check_args(args, world: int):
@@ -191,6 +200,9 @@ def check_args(args, world: int):
         fail(f"--timestep-fraction {args.timestep_fraction} is not allowed; use a value in (0, 1]")
     if int(args.num_steps * args.timestep_fraction) < 1:
         fail(f"--timestep-fraction {args.timestep_fraction} trains no step of {args.num_steps}; raise it")
+    most = -(-(args.prompts_per_iteration // world * args.group_size) // args.micro_batch)  # one per micro-batch
+    if not 1 <= args.updates_per_iteration <= most:
+        fail(f"--updates-per-iteration {args.updates_per_iteration} is not allowed; use 1..{most} (mini-batches per iteration)")
 
 
 def load_psi(path: str, num_steps: int) -> list[float]:
@@ -214,12 +226,15 @@ def dense_rewards(latent_rewards, baseline: bool = False):
     return r[1:] if baseline else r[1:] - r[:-1]
 
 
-def calibrate_step(psi: list, delta_r, eps1: float, eps2: float, psi_range) -> list[float]:
-    """Algorithm 1, one iteration: for each step t, psi(t) += eps2 if |#(Delta R_t > 0) - #(Delta R_t < 0)| < eps1
-    (balanced outcomes: explore more), else psi(t) -= eps2; then clamp. delta_r: [N trajectories, T steps]."""
-    balance = ((delta_r > 0).sum(0) - (delta_r < 0).sum(0)).abs()
-    new = torch.tensor(psi, dtype=torch.float64) + eps2 * (2 * (balance < eps1).double() - 1)
-    return new.clamp(*psi_range).tolist()
+def calibrate_step(psi: list, delta_r, eps1: float, eps2: float, psi_range, group_size: int = 0) -> list[float]:
+    """Algorithm 1, one iteration: for each step t, psi(t) += eps2 if the imbalance |#(Delta R_t > 0) - #(Delta R_t < 0)|
+    is < eps1 (balanced outcomes: explore more), else psi(t) -= eps2; then clamp. delta_r: [N trajectories, T steps],
+    groups of `group_size` consecutive rows. group_size > 0: the signed count within each group, averaged over the
+    groups; 0: pooled over all N. A step whose Delta R are all 0 (no noise there) is left alone."""
+    sign = (delta_r > 0).double() - (delta_r < 0).double()
+    imbalance = (sign.view(-1, group_size, sign.shape[1]).sum(1).mean(0) if group_size else sign.sum(0)).abs()
+    new = torch.tensor(psi, dtype=torch.float64) + eps2 * (2 * (imbalance < eps1).double() - 1)
+    return torch.where((delta_r == 0).all(0), torch.tensor(psi, dtype=torch.float64), new.clamp(*psi_range)).tolist()
 
 
 if __name__ == "__main__":
@@ -281,11 +296,13 @@ if __name__ == "__main__":
             optimizer.load_state_dict(state["optimizer"])
         ema = [state["ema"][n].to(device) for n in names] if args.ema else None
         start = state["iteration"]
-    sigmas, eval_sigmas = sigma_schedule(args.num_steps, args.shift), sigma_schedule(args.eval_steps, args.shift)
+    sigmas = sigma_schedule(args.num_steps, args.shift, pipe if args.schedule == "pipeline" else None, kind, H * W // 4)
+    eval_sigmas = sigma_schedule(args.eval_steps, args.shift, pipe, kind, H * W // 4)  # evaluation: as the pipeline samples
     P, G, T = args.prompts_per_iteration // world, args.group_size, args.num_steps
     n_train = int(T * args.timestep_fraction)
     psi = [args.noise_level] * T if args.psi is None else load_psi(args.psi, T)  # psi(t) replaces Flow-GRPO's a
-    paths = [strided_indices(i, T, -(-(T - i) // min(args.dense_ode_steps or T, T - i))) for i in range(T)]  # ODE_n(x_i)
+    history = []  # psi after each calibration iteration
+    paths = [spaced_indices(i, T, args.dense_ode_steps or T) for i in range(T)]  # ODE_n(x_i): min(n, T - i) steps
     nfe_min = G * (T + sum(len(p) - 2 for p in paths))  # per prompt: the sampler, then completions reusing v(x_i)
 
     def evaluate(iteration):
@@ -340,6 +357,9 @@ if __name__ == "__main__":
         gen = torch.Generator().manual_seed(args.seed * 100_003 + iteration * 1009 + rank)  # resume-exact randomness
 
         # ALGO LOGIC: rollout (SDE with psi(t) at every step), then ODE completions of every latent
+        train_steps = list(range(n_train)) if args.timestep_selection == "first" else sorted(
+            torch.randperm(T - 1, generator=gen)[:min(n_train, T - 1)].tolist())  # DanceGRPO: a random subset
+        a = [psi[i] if i < T - 1 or i in train_steps else 0.0 for i in range(T)]  # untrained last step: x - sigma v
         prompts = [train_prompts[i] for i in torch.randint(len(train_prompts), (P,), generator=gen)]
         group = torch.arange(P).repeat_interleave(G)  # sample -> its prompt
         x = torch.randn(P, 1 if args.same_init_noise else G, C, H, W, generator=gen).expand(P, G, C, H, W)
@@ -350,7 +370,7 @@ if __name__ == "__main__":
             for i in range(T):
                 v = torch.cat([velocity(transformer, kind, latents[i][c], sigmas[i], select(emb, group[c]), args.guidance)
                                for c in chunks])
-                steps = [sde_step(v[c], latents[i][c], sigmas, i, psi[i], generator=gen, form=args.noise_form) for c in chunks]
+                steps = [sde_step(v[c], latents[i][c], sigmas, i, a[i], generator=gen, form=args.noise_form) for c in chunks]
                 velocities.append(v)
                 latents.append(torch.cat([s[0] for s in steps]))
                 old_log_probs.append(torch.cat([s[1] for s in steps]))
@@ -374,9 +394,8 @@ if __name__ == "__main__":
             for i in range(T)]).to(device)
         if args.calibrate:  # Algorithm 1 on the weighted dense reward of every trajectory of every rank
             delta_r = gather_cat(sum(weights[k] * dense_rewards(v) for k, v in latent_rewards.items()).T.contiguous().to(device))
-            psi = calibrate_step(psi, delta_r.cpu(), args.eps1, args.eps2, args.psi_range)
-        train_steps = list(range(n_train)) if args.timestep_selection == "first" else sorted(
-            torch.randperm(T - 1, generator=gen)[:min(n_train, T - 1)].tolist())  # DanceGRPO: a random subset
+            psi = calibrate_step(psi, delta_r.cpu(), args.eps1, args.eps2, args.psi_range,
+                                 G if args.calibration_rule == "group" else 0)
 
         # ALGO LOGIC: policy update (PPO-clipped ratio of per-step log-probs, optional KL to the reference)
         stats, first_dev, grad_norms = torch.zeros(6, device=device), 0.0, []
@@ -388,20 +407,21 @@ if __name__ == "__main__":
                     continue  # zero advantage and no KL: no gradient
                 with autocast():
                     v = velocity(transformer, kind, latents[j][c], sigmas[j], select(emb, group[c]), args.guidance)
-                _, log_prob, mean, std = sde_step(v, latents[j][c], sigmas, j, psi[j],
-                                                  prev_sample=latents[j + 1][c], form=args.noise_form)
+                _, log_prob, mean, std = sde_step(v, latents[j][c], sigmas, j, a[j], prev_sample=latents[j + 1][c],
+                                                  form=args.noise_form)
                 with autocast():  # KL to the reference on the step means (Flow-GRPO); 0 without beta
                     kl = reference_kl(ref_model or transformer, kind, latents[j][c], sigmas, j, select(emb, group[c]),
-                                      args.guidance, psi[j], latents[j + 1][c], args.noise_form, mean, std,
-                                      ref_model is None) if args.beta > 0 else None
+                                      args.guidance, a[j], latents[j + 1][c], args.noise_form, mean, std, ref_model is None,
+                                      args.kl_form == "exact") if args.beta > 0 else None
                 loss, sums, dev = clipped_policy_loss(log_prob, old_log_probs[j][c], advantages[j][c], args.clip_range, kl,
                                                       args.beta)
                 (loss * len(c) / n_terms).backward()
                 stats += sums
                 first_dev = max(first_dev, dev) if u == 0 else first_dev
             grad_norms.append(optimizer_step(params, optimizer, args.max_grad_norm, sharded))
-            if ema is not None and (iteration * args.updates_per_iteration + u + 1) % args.ema_every == 0:
-                ema_update(ema, params, args.ema_decay)
+            n_updates = iteration * args.updates_per_iteration + u + 1  # optimizer steps so far
+            if ema is not None and (n_updates + 1) % args.ema_every == 0:  # as Flow-GRPO: after steps 7, 15, ...
+                ema_update(ema, params, args.ema_decay, n_updates)
 
         # TRY NOT TO MODIFY: logging, evaluation, checkpoints
         stats = gather_cat(stats[None]).sum(0)
@@ -412,6 +432,7 @@ if __name__ == "__main__":
         metrics.update({"reward/zero_std_fraction": flat.float().mean(), "train/ratio_mean": stats[0] / n,
                         "train/clipfrac": stats[1] / n, "train/approx_kl": stats[2] / n, "train/policy_loss": stats[3] / n,
                         "train/kl": stats[4] / n, "train/grad_norm": sum(grad_norms) / max(len(grad_norms), 1),
+                        "train/updates": len(grad_norms),
                         "train/first_ratio_max_dev": first_dev, "perf/nfe_rollout_per_prompt": nfe_rollout / P,
                         "perf/nfe_min_per_prompt": nfe_min, **{f"psi/step_{i}": p for i, p in enumerate(psi)},
                         "perf/nfe_per_iteration": (NFE["count"] - nfe_start) * world,
@@ -426,7 +447,9 @@ if __name__ == "__main__":
             evaluate(iteration + 1)
         if args.calibrate and rank == 0:  # psi after every calibration iteration, for --psi
             with open(args.psi_out or os.path.join(run_dir, "psi.json"), "w") as f:
-                json.dump({"psi": psi, "num_steps": T, "iteration": iteration + 1, "args": vars(args)}, f, indent=1)
+                history.append(psi)
+                json.dump({"psi": psi, "num_steps": T, "iteration": iteration + 1, "history": history, "args": vars(args)}, f,
+                          indent=1)
         elif (args.save_every and (iteration + 1) % args.save_every == 0) or last:
             checkpoint(iteration + 1)
     if writer is not None:

@@ -42,12 +42,14 @@ class Args:
     """autocast dtype for model forwards on CUDA (frozen weights are stored in it); the SDE math is always float32"""
     resolution: int = 512
     """image height and width in pixels"""
-    max_sequence_length: int = 256
+    max_sequence_length: int = 128
     """T5 prompt length in tokens"""
     guidance: float = 4.5
     """classifier-free guidance scale (SD3, empty negative prompt) or guidance embedding (Flux)"""
+    schedule: Literal["pipeline", "shifted"] = "pipeline"
+    """noise levels: the pipeline's own scheduler (Flow-GRPO) or shift*u / (1 + (shift-1)*u) on linspace(1, 0, T+1)"""
     shift: float = 3.0
-    """schedule shift: sigma = shift*u / (1 + (shift-1)*u) on u = linspace(1, 0, T+1)"""
+    """the shift of --schedule shifted (the pipeline schedule takes its shift from the scheduler's config)"""
 
     # Data and rewards
     prompts: str = "data/pickscore/train.txt"
@@ -106,6 +108,9 @@ class Args:
     """PPO ratio clip range"""
     beta: float = 0.01
     """KL coefficient against the reference model (LoRA disabled, or a frozen copy when fully fine-tuning)"""
+    kl_form: Literal["official", "exact"] = "official"
+    """KL scale: |mu - mu_ref|^2 / (2 std_dev_t^2) as Flow-GRPO's code (beta was tuned with it), or the exact
+    Gaussian KL (that divided by |dt|)"""
 
     # Optimisation
     full_finetune: bool = False
@@ -121,11 +126,12 @@ class Args:
     max_grad_norm: float = 1.0
     """gradient-norm clip"""
     updates_per_iteration: int = 2
-    """optimizer steps per iteration (the samples are split into this many mini-batches; the first is on-policy)"""
+    """optimizer steps per iteration: the iteration's training terms split into this many mini-batches (the first is
+    on-policy)"""
     ema: bool = True
     """keep an EMA of the trainable weights for evaluation and the exported weights"""
     ema_decay: float = 0.9
-    """EMA decay"""
+    """EMA decay, reached after a warm-up: min((1 + s) / (10 + s), ema_decay) after s optimizer steps"""
     ema_every: int = 8
     """EMA update interval in optimizer steps"""
     num_iterations: int = 300
@@ -144,9 +150,10 @@ class Args:
 TOY = dict(model="toy", mixed_precision="no", resolution=32, max_sequence_length=16, guidance=3.5, prompts="toy",
            eval_prompts="toy", rewards=("toy_color_position", "toy_shape_count"), eval_rewards=("toy_strict",),
            reward_combine="advantages", num_steps=16, eval_steps=16, group_size=12, micro_batch=48,
-           full_finetune=True, learning_rate=1e-4, ema=False, num_iterations=60, eval_every=20, eval_num=256,
-           save_every=20, log_images_every=20,
-           noise_level=0.7, prompts_per_iteration=8, timestep_fraction=0.5, global_std=False, beta=0.04, updates_per_iteration=1)
+           full_finetune=True, ema=False, num_iterations=60, eval_every=20, eval_num=256, save_every=20,
+           log_images_every=20,
+           learning_rate=1e-4, noise_level=0.7, prompts_per_iteration=8, timestep_fraction=0.5, global_std=False, beta=0.04,
+           updates_per_iteration=1)
 
 
 def check_args(args, world: int):
@@ -169,6 +176,9 @@ def check_args(args, world: int):
         fail(f"--timestep-fraction {args.timestep_fraction} is not allowed; use a value in (0, 1]")
     if int(args.num_steps * args.timestep_fraction) < 1:
         fail(f"--timestep-fraction {args.timestep_fraction} trains no step of {args.num_steps}; raise it")
+    most = -(-(args.prompts_per_iteration // world * args.group_size) // args.micro_batch)  # one per micro-batch
+    if not 1 <= args.updates_per_iteration <= most:
+        fail(f"--updates-per-iteration {args.updates_per_iteration} is not allowed; use 1..{most} (mini-batches per iteration)")
 
 
 if __name__ == "__main__":
@@ -230,7 +240,8 @@ if __name__ == "__main__":
             optimizer.load_state_dict(state["optimizer"])
         ema = [state["ema"][n].to(device) for n in names] if args.ema else None
         start = state["iteration"]
-    sigmas, eval_sigmas = sigma_schedule(args.num_steps, args.shift), sigma_schedule(args.eval_steps, args.shift)
+    sigmas = sigma_schedule(args.num_steps, args.shift, pipe if args.schedule == "pipeline" else None, kind, H * W // 4)
+    eval_sigmas = sigma_schedule(args.eval_steps, args.shift, pipe, kind, H * W // 4)  # evaluation: as the pipeline samples
     P, G, T = args.prompts_per_iteration // world, args.group_size, args.num_steps
     n_train = int(T * args.timestep_fraction)
 
@@ -286,6 +297,9 @@ if __name__ == "__main__":
         gen = torch.Generator().manual_seed(args.seed * 100_003 + iteration * 1009 + rank)  # resume-exact randomness
 
         # ALGO LOGIC: rollout (SDE at every step; a whole micro-batch of the group per forward)
+        train_steps = list(range(n_train)) if args.timestep_selection == "first" else sorted(
+            torch.randperm(T - 1, generator=gen)[:min(n_train, T - 1)].tolist())  # DanceGRPO: a random subset
+        a = [args.noise_level if i < T - 1 or i in train_steps else 0.0 for i in range(T)]  # untrained last step: x - sigma v
         prompts = [train_prompts[i] for i in torch.randint(len(train_prompts), (P,), generator=gen)]
         group = torch.arange(P).repeat_interleave(G)  # sample -> its prompt
         x = torch.randn(P, 1 if args.same_init_noise else G, C, H, W, generator=gen).expand(P, G, C, H, W)
@@ -296,8 +310,7 @@ if __name__ == "__main__":
             for i in range(T):
                 v = torch.cat([velocity(transformer, kind, latents[i][c], sigmas[i], select(emb, group[c]), args.guidance)
                                for c in chunks])
-                steps = [sde_step(v[c], latents[i][c], sigmas, i, args.noise_level, generator=gen, form=args.noise_form)
-                         for c in chunks]
+                steps = [sde_step(v[c], latents[i][c], sigmas, i, a[i], generator=gen, form=args.noise_form) for c in chunks]
                 latents.append(torch.cat([s[0] for s in steps]))
                 old_log_probs.append(torch.cat([s[1] for s in steps]))
             images = torch.cat([decode(pipe, latents[-1][c]) for c in chunks])
@@ -309,8 +322,6 @@ if __name__ == "__main__":
         all_scores = {k: gather_cat(v.view(P, G).to(device)).cpu() for k, v in scores.items()}
         advantages = combine_advantages(all_scores, weights, args.reward_combine, args.adv_eps, args.std_unbiased,
                                         args.global_std, args.adv_clip)[rank * P:(rank + 1) * P].reshape(-1).to(device)
-        train_steps = list(range(n_train)) if args.timestep_selection == "first" else sorted(
-            torch.randperm(T - 1, generator=gen)[:min(n_train, T - 1)].tolist())  # DanceGRPO: a random subset
 
         # ALGO LOGIC: policy update (PPO-clipped ratio of per-step log-probs, optional KL to the reference)
         stats, first_dev, grad_norms = torch.zeros(6, device=device), 0.0, []
@@ -321,20 +332,21 @@ if __name__ == "__main__":
                     continue  # zero advantage and no KL: no gradient
                 with autocast():
                     v = velocity(transformer, kind, latents[j][c], sigmas[j], select(emb, group[c]), args.guidance)
-                _, log_prob, mean, std = sde_step(v, latents[j][c], sigmas, j, args.noise_level,
-                                                  prev_sample=latents[j + 1][c], form=args.noise_form)
+                _, log_prob, mean, std = sde_step(v, latents[j][c], sigmas, j, a[j], prev_sample=latents[j + 1][c],
+                                                  form=args.noise_form)
                 with autocast():  # KL to the reference on the step means (Flow-GRPO); 0 without beta
                     kl = reference_kl(ref_model or transformer, kind, latents[j][c], sigmas, j, select(emb, group[c]),
-                                      args.guidance, args.noise_level, latents[j + 1][c], args.noise_form, mean, std,
-                                      ref_model is None) if args.beta > 0 else None
+                                      args.guidance, a[j], latents[j + 1][c], args.noise_form, mean, std, ref_model is None,
+                                      args.kl_form == "exact") if args.beta > 0 else None
                 loss, sums, dev = clipped_policy_loss(log_prob, old_log_probs[j][c], advantages[c], args.clip_range, kl,
                                                       args.beta)
                 (loss * len(c) / n_terms).backward()
                 stats += sums
                 first_dev = max(first_dev, dev) if u == 0 else first_dev
             grad_norms.append(optimizer_step(params, optimizer, args.max_grad_norm, sharded))
-            if ema is not None and (iteration * args.updates_per_iteration + u + 1) % args.ema_every == 0:
-                ema_update(ema, params, args.ema_decay)
+            n_updates = iteration * args.updates_per_iteration + u + 1  # optimizer steps so far
+            if ema is not None and (n_updates + 1) % args.ema_every == 0:  # as Flow-GRPO: after steps 7, 15, ...
+                ema_update(ema, params, args.ema_decay, n_updates)
 
         # TRY NOT TO MODIFY: logging, evaluation, checkpoints
         stats = gather_cat(stats[None]).sum(0)
@@ -345,6 +357,7 @@ if __name__ == "__main__":
         metrics.update({"reward/zero_std_fraction": flat.float().mean(), "train/ratio_mean": stats[0] / n,
                         "train/clipfrac": stats[1] / n, "train/approx_kl": stats[2] / n, "train/policy_loss": stats[3] / n,
                         "train/kl": stats[4] / n, "train/grad_norm": sum(grad_norms) / max(len(grad_norms), 1),
+                        "train/updates": len(grad_norms),
                         "train/first_ratio_max_dev": first_dev, "perf/nfe_rollout_per_prompt": nfe_rollout / P,
                         "perf/nfe_per_iteration": (NFE["count"] - nfe_start) * world,
                         "perf/rollout_seconds": t_rollout, "perf/seconds_per_iteration": time.time() - t_start})

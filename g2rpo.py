@@ -46,8 +46,10 @@ class Args:
     """T5 prompt length in tokens"""
     guidance: float = 3.5
     """classifier-free guidance scale (SD3, empty negative prompt) or guidance embedding (Flux)"""
+    schedule: Literal["pipeline", "shifted"] = "shifted"
+    """noise levels: the pipeline's own scheduler (Flow-GRPO) or shift*u / (1 + (shift-1)*u) on linspace(1, 0, T+1)"""
     shift: float = 3.0
-    """schedule shift: sigma = shift*u / (1 + (shift-1)*u) on u = linspace(1, 0, T+1)"""
+    """the shift of --schedule shifted (the pipeline schedule takes its shift from the scheduler's config)"""
 
     # Data and rewards
     prompts: str = "data/hpdv2/train.txt"
@@ -116,10 +118,13 @@ class Args:
     """AdamW weight decay"""
     max_grad_norm: float = 1.0
     """gradient-norm clip"""
+    updates_per_iteration: int | None = None
+    """optimizer steps per iteration: the iteration's training terms split into this many mini-batches (the first is
+    on-policy); default: one per trained k, as G2RPO's code"""
     ema: bool = False
     """keep an EMA of the trainable weights for evaluation and the exported weights"""
     ema_decay: float = 0.9
-    """EMA decay"""
+    """EMA decay, reached after a warm-up: min((1 + s) / (10 + s), ema_decay) after s optimizer steps"""
     ema_every: int = 8
     """EMA update interval in optimizer steps"""
     num_iterations: int = 300
@@ -138,9 +143,9 @@ class Args:
 TOY = dict(model="toy", mixed_precision="no", resolution=32, max_sequence_length=16, guidance=3.5, prompts="toy",
            eval_prompts="toy", rewards=("toy_color_position", "toy_shape_count"), eval_rewards=("toy_strict",),
            reward_combine="advantages", num_steps=16, eval_steps=16, group_size=12, micro_batch=48,
-           full_finetune=True, learning_rate=1e-4, ema=False, num_iterations=60, eval_every=20, eval_num=256,
-           save_every=20, log_images_every=20,
-           noise_level=0.5, prompts_per_iteration=4)
+           full_finetune=True, ema=False, num_iterations=60, eval_every=20, eval_num=256, save_every=20,
+           log_images_every=20,
+           learning_rate=1.25e-5, noise_level=0.5, prompts_per_iteration=4)  # 8 optimizer steps per iteration: 1e-4 / 8
 
 
 def check_args(args, world: int):
@@ -163,6 +168,10 @@ def check_args(args, world: int):
         if not values or min(values) < low or max(values) >= args.num_steps or len(set(values)) < len(values):
             fail(f"{flag} {list(values)} is not allowed; give distinct values in {low}..{args.num_steps - 1}"
                  + (" (a repeated stride only duplicates identical advantages)" if flag == "--lambdas" else ""))
+    most = len(args.sde_steps)  # one per trained k
+    args.updates_per_iteration = args.updates_per_iteration or most
+    if not 1 <= args.updates_per_iteration <= most:
+        fail(f"--updates-per-iteration {args.updates_per_iteration} is not allowed; use 1..{most} (mini-batches per iteration)")
 
 
 if __name__ == "__main__":
@@ -224,7 +233,8 @@ if __name__ == "__main__":
             optimizer.load_state_dict(state["optimizer"])
         ema = [state["ema"][n].to(device) for n in names] if args.ema else None
         start = state["iteration"]
-    sigmas, eval_sigmas = sigma_schedule(args.num_steps, args.shift), sigma_schedule(args.eval_steps, args.shift)
+    sigmas = sigma_schedule(args.num_steps, args.shift, pipe if args.schedule == "pipeline" else None, kind, H * W // 4)
+    eval_sigmas = sigma_schedule(args.eval_steps, args.shift, pipe, kind, H * W // 4)  # evaluation: as the pipeline samples
     P, G, T = args.prompts_per_iteration // world, args.group_size, args.num_steps
     M, L = sorted(args.sde_steps), len(args.lambdas)
     nfe_min = max(M) + 1 + G * sum((k + 1 < T) * (1 + sum(-(-(T - k - 1) // lam) - 1 for lam in args.lambdas)) for k in M)
@@ -313,11 +323,11 @@ if __name__ == "__main__":
         all_scores = {r: torch.cat([gathered[k][r].reshape(-1, G) for k in M]) for r in args.rewards}
         scores = {r: v[:G] for r, v in per_k[M[-1]].items()}  # the first group at the last k (the images logged below)
 
-        # ALGO LOGIC: policy update (ratio at step k only, v(x_k) once per prompt; one optimizer step per iteration)
+        # ALGO LOGIC: policy update (ratio at step k only, v(x_k) once per prompt; the k in M split into mini-batches)
         stats, first_dev, grad_norms = torch.zeros(6, device=device), 0.0, []
-        for u, mb in enumerate([M]):  # one mini-batch: the paper's objective averages over members and k in M
-            n_terms = P * G * len(M)
-            for k, c, m in ((k, c, m) for k in mb for c, m in zip(chunks, members)):
+        for u, mb in enumerate(torch.tensor_split(torch.tensor(M), args.updates_per_iteration)):
+            n_terms = P * G * len(mb)
+            for k, c, m in ((k, c, m) for k in mb.tolist() for c, m in zip(chunks, members)):
                 if not sharded and (advantages[k][m] == 0).all():
                     continue  # zero advantage: no gradient
                 with autocast():
@@ -330,8 +340,9 @@ if __name__ == "__main__":
                 stats += sums
                 first_dev = max(first_dev, dev) if u == 0 else first_dev
             grad_norms.append(optimizer_step(params, optimizer, args.max_grad_norm, sharded))
-            if ema is not None and (iteration + u + 1) % args.ema_every == 0:
-                ema_update(ema, params, args.ema_decay)
+            n_updates = iteration * args.updates_per_iteration + u + 1  # optimizer steps so far
+            if ema is not None and (n_updates + 1) % args.ema_every == 0:  # as Flow-GRPO: after steps 7, 15, ...
+                ema_update(ema, params, args.ema_decay, n_updates)
 
         # TRY NOT TO MODIFY: logging, evaluation, checkpoints
         stats = gather_cat(stats[None]).sum(0)
@@ -342,6 +353,7 @@ if __name__ == "__main__":
         metrics.update({"reward/zero_std_fraction": flat.float().mean(), "train/ratio_mean": stats[0] / n,
                         "train/clipfrac": stats[1] / n, "train/approx_kl": stats[2] / n, "train/policy_loss": stats[3] / n,
                         "train/kl": stats[4] / n, "train/grad_norm": sum(grad_norms) / max(len(grad_norms), 1),
+                        "train/updates": len(grad_norms),
                         "train/first_ratio_max_dev": first_dev, "perf/nfe_rollout_per_prompt": nfe_rollout / P,
                         "perf/nfe_min_per_prompt": nfe_min,
                         "perf/nfe_per_iteration": (NFE["count"] - nfe_start) * world,

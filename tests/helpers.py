@@ -13,7 +13,7 @@ def tiny_model_dirs(root):
 
     paths = {k: os.path.join(root, k) for k in ("flux", "sd3")}
     if not os.path.isdir(paths["flux"]):
-        build_flux().save_pretrained(paths["flux"])
+        build_flux(dynamic_shifting=True).save_pretrained(paths["flux"])  # FLUX.1-dev's scheduler config
         build_sd3().save_pretrained(paths["sd3"])
     paths["prompts"] = os.path.join(root, "prompts.txt")
     with open(paths["prompts"], "w") as f:

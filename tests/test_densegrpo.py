@@ -35,7 +35,7 @@ def test_nfe_equals_closed_form(tiny, tmp_path, n, expected):
     240 / 456 / 1320 for n = 1 / 2 / t at T = 10, G = 24 (Flow-GRPO: 240)."""
     run_script("densegrpo.py", tiny_flags(tiny["flux"], tiny["prompts"], tmp_path, num_steps=10, group_size=24,
                                           prompts_per_iteration=1, micro_batch=48, dense_ode_steps=n, num_iterations=1,
-                                          eval_every=0))
+                                          eval_every=0, updates_per_iteration=1))
     _, m = read_metrics(tmp_path)
     assert m[1]["perf/nfe_rollout_per_prompt"] == m[1]["perf/nfe_min_per_prompt"] == expected
 
@@ -62,8 +62,11 @@ def test_calibration_mode_writes_psi_and_training_loads_it(tiny, tmp_path):
     out = tmp_path / "psi.json"
     run_script("densegrpo.py", tiny_flags(tiny["flux"], tiny["prompts"], tmp_path / "cal", calibrate=True, psi_out=out,
                                           num_iterations=3, eval_every=0))
-    psi = json.loads(out.read_text())["psi"]
-    assert len(psi) == 4 and all(round(abs(p - 0.7), 9) in (0.01, 0.03) for p in psi)  # 3 moves of +-0.01 each
+    saved = json.loads(out.read_text())
+    psi = saved["psi"]
+    assert len(psi) == 4 and all(round(abs(p - 0.7), 9) in (0.01, 0.03) for p in psi[:3])  # 3 moves of +-0.01 each
+    assert psi[3] == 0.7  # the untrained last step is taken without noise: no information, psi left alone
+    assert len(saved["history"]) == 3 and saved["history"][-1] == psi
     run_script("densegrpo.py", tiny_flags(tiny["flux"], tiny["prompts"], tmp_path / "train", psi=out, num_iterations=1,
                                           eval_every=0))
     _, m = read_metrics(tmp_path / "train")

@@ -48,8 +48,9 @@ def tiny_vae(latent_channels: int = 4, channels=(16, 32), shift_factor: float = 
 
 def build_flux(seed: int = 0, hidden_heads: int = 2, head_dim: int = 16, num_layers: int = 1, num_single_layers: int = 1,
                text_dim: int = 32, max_length: int = 16, guidance_embeds: bool = True, vae: AutoencoderKL | None = None,
-               shift: float = 3.0) -> FluxPipeline:
-    """A FluxPipeline with random weights. 32x32 images -> 16x16x4 latents -> 64 packed tokens of 16 channels."""
+               shift: float = 3.0, dynamic_shifting: bool = False) -> FluxPipeline:
+    """A FluxPipeline with random weights. 32x32 images -> 16x16x4 latents -> 64 packed tokens of 16 channels.
+    `dynamic_shifting`: FLUX.1-dev's scheduler config (resolution-dependent shift) instead of a static `shift`."""
     torch.manual_seed(seed)
     tok = word_tokenizer(max_length)
     vae = vae or tiny_vae()
@@ -60,19 +61,22 @@ def build_flux(seed: int = 0, hidden_heads: int = 2, head_dim: int = 16, num_lay
         joint_attention_dim=text_dim, pooled_projection_dim=text_dim, guidance_embeds=guidance_embeds,
         axes_dims_rope=rope)
     return FluxPipeline(
-        scheduler=FlowMatchEulerDiscreteScheduler(shift=shift), vae=vae,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=shift, use_dynamic_shifting=dynamic_shifting, base_shift=0.5,
+                                                  max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096),
+        vae=vae,
         text_encoder=CLIPTextModel(_text_config(len(tok), text_dim, max_length)), tokenizer=tok,
         text_encoder_2=_t5(len(tok), text_dim), tokenizer_2=word_tokenizer(max_length), transformer=transformer)
 
 
 def build_sd3(seed: int = 0, max_length: int = 16) -> StableDiffusion3Pipeline:
-    """A StableDiffusion3Pipeline with random weights (two CLIP encoders with projection, T5, CFG-ready)."""
+    """A StableDiffusion3Pipeline with random weights (two CLIP encoders with projection, T5, CFG-ready); its block
+    has SD3.5-M's second (dual) attention `attn2`."""
     torch.manual_seed(seed)
     tok = word_tokenizer(max_length)
     clip = lambda: CLIPTextModelWithProjection(_text_config(len(tok), 32, max_length, projection_dim=32))  # noqa: E731
     transformer = SD3Transformer2DModel(sample_size=16, patch_size=2, in_channels=4, num_layers=1, attention_head_dim=8,
                                         num_attention_heads=2, joint_attention_dim=64, caption_projection_dim=16,
-                                        pooled_projection_dim=64, out_channels=4)
+                                        pooled_projection_dim=64, out_channels=4, dual_attention_layers=(0,))
     return StableDiffusion3Pipeline(
         scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), vae=tiny_vae(shift_factor=0.1), transformer=transformer,
         text_encoder=clip(), tokenizer=tok, text_encoder_2=clip(), tokenizer_2=word_tokenizer(max_length),

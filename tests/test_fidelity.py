@@ -1,0 +1,225 @@
+"""Fidelity to the official code: schedules, the rewarded image, KL scale, LoRA targets, prompt length, EMA warm-up,
+timestep precision, G2RPO optimizer steps, DenseGRPO calibration and completion lengths, reward preprocessing."""
+import json
+import math
+import os
+import runpy
+import sys
+
+import pytest
+import torch
+
+import common
+import densegrpo
+import flow_grpo
+from common import LORA_TARGETS, ema_update, make_trainable, reference_kl, sde_step, sigma_schedule, spaced_indices, velocity
+from helpers import ROOT, read_metrics, run_script, tiny_flags, tiny_model_dirs
+from tiny import build_flux, build_sd3
+
+SD3_T10 = [1.0, 0.9601, 0.9133, 0.8577, 0.7904, 0.7073, 0.6022, 0.4649, 0.2780, 0.0089, 0.0]  # diffusers, shift 3
+FLUX_512_T6 = [1.0, 0.9037, 0.7897, 0.6525, 0.4842, 0.2730, 0.0]  # FLUX.1-dev's config, mu = calculate_shift(1024)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return tiny_model_dirs(str(tmp_path_factory.mktemp("tiny")))
+
+
+def test_pipeline_schedules():
+    torch.testing.assert_close(sigma_schedule(10, 3.0, build_sd3(), "sd3", 1024), torch.tensor(SD3_T10), atol=1e-4, rtol=0)
+    flux = build_flux(dynamic_shifting=True)
+    torch.testing.assert_close(sigma_schedule(6, 3.0, flux, "flux", (512 // 16) ** 2), torch.tensor(FLUX_512_T6),
+                               atol=1e-4, rtol=0)
+    assert sigma_schedule(6, 3.0, flux, "flux", 4096)[5] > FLUX_512_T6[5]  # more tokens, more shift
+    # a static shift 3 scheduler (the toy's) gives DanceGRPO's shifted linspace exactly
+    toy = build_flux(shift=3.0)
+    assert torch.equal(sigma_schedule(16, 3.0, toy, "flux", 64), sigma_schedule(16, 3.0))
+    # the documented noise of an untrained, stochastic last step: a sqrt(sigma / (1 - sigma)) sqrt(sigma), a = 0.7 / 0.9
+    last_std = lambda s, a: a * math.sqrt(s / (1 - s)) * math.sqrt(s)  # noqa: E731
+    assert last_std(SD3_T10[9], 0.7) == pytest.approx(0.0063, abs=2e-4)
+    assert last_std(float(sigma_schedule(10, 3.0)[9]), 0.7) == pytest.approx(0.202, abs=1e-3)
+    assert last_std(float(sigma_schedule(16, 3.0)[15]), 0.7) == pytest.approx(0.128, abs=1e-3)
+    assert last_std(FLUX_512_T6[5], 0.9) == pytest.approx(0.288, abs=1e-3)
+
+
+def run_in_process(script, args, monkeypatch):
+    """Run an algorithm file's main block here, recording every sampling step (i, noise level, sigmas, x, v, x_next)."""
+    calls, real = [], common.sde_step
+
+    def spy(v, x, sigmas, i, noise_level, prev_sample=None, generator=None, form="flow_grpo"):
+        out = real(v, x, sigmas, i, noise_level, prev_sample, generator, form)
+        if prev_sample is None:
+            calls.append((i, noise_level, sigmas.clone(), x.float(), v.float(), out[0]))
+        return out
+
+    monkeypatch.setattr(common, "sde_step", spy)
+    monkeypatch.setattr(sys, "argv", [script] + [str(a) for a in args])
+    torch.set_num_threads(1)
+    runpy.run_path(os.path.join(ROOT, script), run_name="__main__")
+    return calls
+
+
+def levels(calls):
+    """The noise level of each sampling step, checked to be the same for every micro-batch."""
+    out = {}
+    for i, level, *_ in calls:
+        assert out.setdefault(i, level) == level
+    return [out[i] for i in sorted(out)]
+
+
+@pytest.mark.parametrize("script", ["flow_grpo.py", "densegrpo.py"])
+def test_untrained_last_step_is_deterministic(tiny, tmp_path, monkeypatch, script):
+    """The rewarded (decoded) latent carries no untrained noise: the last step is x - sigma v unless it is trained."""
+    base = tiny_flags(tiny["sd3"], tiny["prompts"], tmp_path / "a", num_iterations=1, eval_every=0, guidance=4.5,
+                      num_steps=5, noise_level=0.7)
+    calls = run_in_process(script, base, monkeypatch)
+    assert levels(calls) == [0.7] * 4 + [0.0]  # T = 5: int(0.99 * 5) = 4 trained steps, the 5th is not
+    for i, _, sigmas, x, v, x_next in calls[-2:]:  # two micro-batches of 4
+        assert i == 4 and float(sigmas[5]) == 0
+        torch.testing.assert_close(x_next, x - float(sigmas[4]) * v)
+    # by default Flow-GRPO samples with the pipeline's own schedule (SD3: diffusers' set_timesteps)
+    torch.testing.assert_close(sigmas, sigma_schedule(5, 3.0, build_sd3(), "sd3", 0))
+    assert not torch.equal(sigmas, sigma_schedule(5, 3.0))
+    # a trained last step keeps its noise; --schedule shifted gives DanceGRPO's linspace
+    calls = run_in_process(script, tiny_flags(tiny["sd3"], tiny["prompts"], tmp_path / "b", num_iterations=1,
+                                              eval_every=0, guidance=4.5, num_steps=5, timestep_fraction=1.0,
+                                              schedule="shifted"), monkeypatch)
+    assert levels(calls) == [0.7] * 5 and torch.equal(calls[0][2], sigma_schedule(5, 3.0))
+
+
+def test_random_timesteps_never_train_the_last_step(tiny, tmp_path, monkeypatch):
+    flags = tiny_flags(tiny["flux"], tiny["prompts"], tmp_path, num_iterations=1, eval_every=0, num_steps=6,
+                       timestep_selection="random", timestep_fraction=0.6, noise_form="dance", noise_level=0.3)
+    assert levels(run_in_process("flow_grpo.py", flags, monkeypatch)) == [0.3] * 5 + [0.0]
+
+
+def test_kl_scales_against_hand_computation():
+    """Official: mean |mu - mu_ref|^2 / (2 std_dev_t^2), std_dev_t = a sqrt(sigma / (1 - sigma)); exact: / |dt| more."""
+    ref = build_flux().transformer
+    g = torch.Generator().manual_seed(0)
+    x, mean = torch.randn(2, 4, 16, 16, generator=g), torch.randn(2, 4, 16, 16, generator=g)
+    emb = {"embeds": torch.randn(2, 16, 32, generator=g), "pooled": torch.randn(2, 32, generator=g)}
+    sigmas, i, a = sigma_schedule(10, 3.0), 3, 0.7
+    sigma, dt = float(sigmas[i]), float(sigmas[i + 1] - sigmas[i])
+    with torch.no_grad():
+        v_ref = velocity(ref, "flux", x, sigmas[i], emb, 3.5).float()
+    std_dev_t = a * math.sqrt(sigma / (1 - sigma))
+    mu_ref = x + (v_ref + std_dev_t**2 / (2 * sigma) * (x + (1 - sigma) * v_ref)) * dt
+    official = ((mean - mu_ref) ** 2).mean() / (2 * std_dev_t**2)
+    std = sde_step(v_ref, x, sigmas, i, a, prev_sample=x)[3]
+    kl = lambda exact: reference_kl(ref, "flux", x, sigmas, i, emb, 3.5, a, x, "flow_grpo", mean, std, False, exact)  # noqa: E731
+    torch.testing.assert_close(kl(False), official, rtol=1e-5, atol=0)
+    torch.testing.assert_close(kl(True), official / abs(dt), rtol=1e-5, atol=0)
+    assert 4 < 1 / abs(dt) < 28  # at T = 10 the exact form is 4x to 28x the official one
+
+
+def adapted(transformer):
+    return sorted({n.rsplit(".lora_A", 1)[0] for n, _ in transformer.named_parameters() if ".lora_A" in n})
+
+
+def test_lora_targets_skip_sd35_second_attention():
+    sd3 = build_sd3().transformer
+    modules = dict(sd3.named_modules())
+    make_trainable(sd3, "sd3", 4, 8, False, False)
+    names = adapted(sd3)
+    assert names == sorted(n for n in (f"transformer_blocks.0.{t}" for t in LORA_TARGETS["sd3"]) if modules.get(n))
+    assert len(names) >= 7 and "transformer_blocks.0.attn2.to_q" in modules and not any("attn2" in n for n in names)
+    flux = build_flux().transformer
+    make_trainable(flux, "flux", 4, 8, False, False)
+    names = adapted(flux)
+    assert "single_transformer_blocks.0.attn.to_q" in names and "transformer_blocks.0.ff_context.net.2" in names
+    assert "single_transformer_blocks.0.proj_out" not in names
+
+
+def test_prompt_length_defaults():
+    assert flow_grpo.Args().max_sequence_length == densegrpo.Args().max_sequence_length == 128
+
+
+def test_ema_warm_up():
+    """Flow-GRPO's decay min((1 + s) / (10 + s), 0.9): after 7 optimizer steps 8/17, from s = 80 on 0.9."""
+    for step, decay in [(7, 8 / 17), (79, 80 / 89), (80, 0.9), (200, 0.9), (0, 0.1)]:
+        ema, params = [torch.zeros(3)], [torch.ones(3)]
+        ema_update(ema, params, 0.9, step)
+        torch.testing.assert_close(ema[0], torch.full((3,), 1 - decay))
+
+
+def test_timestep_reaches_the_transformer_in_float32():
+    transformer = build_sd3().transformer.to(torch.bfloat16)
+    seen = []
+    transformer.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["timestep"]), with_kwargs=True)
+    emb = {"embeds": torch.randn(1, 8, 64), "pooled": torch.randn(1, 64)}
+    velocity(transformer, "sd3", torch.randn(1, 4, 16, 16), torch.tensor(0.9601), emb, 1.0)
+    assert seen[0].dtype == torch.float32 and seen[0].item() == pytest.approx(960.1, abs=1e-3)
+    assert torch.tensor(960.1).to(torch.bfloat16).item() == 960  # what a bf16 timestep would have been
+
+
+@pytest.mark.parametrize("updates,expected", [(None, 3), (1, 1)])
+def test_g2rpo_optimizer_steps_per_k(tiny, tmp_path, updates, expected):
+    run_script("g2rpo.py", tiny_flags(tiny["flux"], tiny["prompts"], tmp_path, num_steps=6, sde_steps="0 1 4",
+                                      lambdas="1 2", no_full_finetune=True, learning_rate=1e-2, num_iterations=1,
+                                      eval_every=0, updates_per_iteration=updates))
+    _, m = read_metrics(tmp_path)
+    assert m[1]["train/updates"] == expected and m[1]["train/first_ratio_max_dev"] <= 1e-6
+    if expected == 1:
+        assert m[1]["train/ratio_mean"] == pytest.approx(1, abs=1e-6)
+    else:  # later k are trained after the first steps: their ratio moved (the official per-k behaviour)
+        assert abs(m[1]["train/ratio_mean"] - 1) > 1e-6
+
+
+def test_calibration_seeks_balance_per_group():
+    """Balanced outcomes at a step raise psi there, one-sided ones lower it; the pooled rule lowers psi whenever the
+    pooled count is off by sqrt(N), as it almost always is for N = 480 random signs."""
+    g = torch.Generator().manual_seed(0)
+    P, G = 40, 12
+    balanced = torch.randn(P * G, generator=g)  # random signs: balanced in expectation
+    one_sided = balanced.abs() + 0.1
+    mixed = torch.where(torch.arange(P * G) % G < 9, 1.0, -1.0)  # 9 of 12 up in every group
+    delta = torch.stack([balanced, one_sided, -one_sided, mixed, torch.zeros(P * G)], 1)
+    psi = [0.7] * 5
+    group = densegrpo.calibrate_step(psi, delta, 2, 0.01, (0.1, 1.5), group_size=G)
+    assert group == pytest.approx([0.71, 0.69, 0.69, 0.69, 0.7])  # a step with no noise (all 0) is left alone
+    pooled = densegrpo.calibrate_step(psi, delta, 2, 0.01, (0.1, 1.5), group_size=0)
+    pooled_balance = abs(int((balanced > 0).sum() - (balanced < 0).sum()))
+    assert pooled_balance >= 2 and pooled == pytest.approx([0.69, 0.69, 0.69, 0.69, 0.7])
+
+
+def test_spaced_completions_take_exactly_n_steps():
+    T = 10
+    for n in range(1, T + 1):
+        for i in range(T):
+            idx = spaced_indices(i, T, n)
+            assert idx[0] == i and idx[-1] == T and len(idx) - 1 == min(n, T - i)
+            assert all(b > a for a, b in zip(idx, idx[1:]))
+    assert spaced_indices(0, 10, 6) == [0, 2, 4, 5, 7, 9, 10]
+    for i in range(T):  # n = 2 and n = t are the strided paths they always were
+        assert spaced_indices(i, T, 2) == common.strided_indices(i, T, -(-(T - i) // min(2, T - i)))
+        assert spaced_indices(i, T, T) == list(range(i, T + 1))
+
+
+def test_dense_nfe_closed_form_for_any_n(tiny, tmp_path):
+    """n = 6 at T = 10, G = 24: G (T + sum_i (min(6, T - i) - 1)) = 24 (10 + 35) = 1080."""
+    run_script("densegrpo.py", tiny_flags(tiny["flux"], tiny["prompts"], tmp_path, num_steps=10, group_size=24,
+                                          prompts_per_iteration=1, micro_batch=48, dense_ode_steps=6, num_iterations=1,
+                                          eval_every=0, updates_per_iteration=1))
+    _, m = read_metrics(tmp_path)
+    assert m[1]["perf/nfe_rollout_per_prompt"] == m[1]["perf/nfe_min_per_prompt"] == 1080
+
+
+def test_open_clip_normalisation_comes_from_the_model(tmp_path):
+    import open_clip
+    from test_rewards import TINY_OPEN_CLIP, images, manual_cosine
+
+    root = tmp_path / "clip"
+    os.makedirs(root)
+    mean, std = (0.5, 0.4, 0.3), (0.2, 0.25, 0.3)
+    with open(root / "open_clip_config.json", "w") as f:
+        json.dump({"model_cfg": TINY_OPEN_CLIP, "preprocess_cfg": {"mean": mean, "std": std}}, f)
+    model = open_clip.create_model(f"local-dir:{root}")
+    from safetensors.torch import save_file
+
+    save_file(model.state_dict(), str(root / "open_clip_model.safetensors"))
+    fn = common.load_rewards(["clip"], "cpu", clip_model=str(root))["clip"]
+    x, prompts = images(2), ["a cat", "a dog"]
+    m, s = torch.tensor(mean).view(1, 3, 1, 1), torch.tensor(std).view(1, 3, 1, 1)
+    expected = manual_cosine(model.eval(), (x - m) / s, prompts, open_clip.get_tokenizer(f"local-dir:{root}"))
+    torch.testing.assert_close(fn(x, prompts), expected, rtol=1e-4, atol=1e-5)
