@@ -119,16 +119,18 @@ def ode_step(v, x, sigma: float, sigma_next: float):
 
 @torch.no_grad()
 def ode_complete(transformer, kind: str, x, paths: list, sigmas, emb: dict, guidance: float, micro_batch: int,
-                 v_first=None):
-    """Integrate the ODE from each start x[n] (embedding row n) along schedule indices paths[r], r = n, n + N, ...
-    (e.g. strided_indices(...) per stride, or the whole schedule). The velocity at a start is evaluated once (or taken
-    from `v_first`) and shared by all its paths; later steps batch every row still moving, whatever its stride."""
+                 v_first=None, emb_index=None):
+    """Integrate the ODE from each start x[n] (embedding row emb_index[n], default n) along schedule indices paths[r],
+    r = n, n + N, ... (e.g. strided_indices(...) per stride, or the whole schedule). The velocity at a start is
+    evaluated once (or taken from `v_first`) and shared by all its paths; later steps batch every row still moving,
+    whatever its stride. Embeddings are indexed per micro-batch, never copied per row."""
     n, reps = len(x), len(paths) // len(x)
     start = torch.arange(n).repeat(reps)  # row -> its start
+    emb_index = torch.arange(n) if emb_index is None else emb_index.cpu()
     if v_first is None and max(map(len, paths)) > 1:
         s0 = sigmas[[p[0] for p in paths[:n]]]
-        v_first = torch.cat([velocity(transformer, kind, x[c], s0[c], select(emb, c.to(x.device)), guidance).float()
-                             for c in torch.arange(n).split(micro_batch)])
+        v_first = torch.cat([velocity(transformer, kind, x[c], s0[c], select(emb, emb_index[c].to(x.device)), guidance)
+                             .float() for c in torch.arange(n).split(micro_batch)])
     x = x.float().repeat(reps, *[1] * (x.ndim - 1))
     for k in range(max(map(len, paths)) - 1):
         rows = torch.tensor([r for r, p in enumerate(paths) if len(p) > k + 1], dtype=torch.long)
@@ -137,7 +139,7 @@ def ode_complete(transformer, kind: str, x, paths: list, sigmas, emb: dict, guid
         if k == 0:
             v = v_first[start[rows]].float()
         else:
-            v = torch.cat([velocity(transformer, kind, x[rows[c]], s[c], select(emb, start[rows[c]].to(x.device)),
+            v = torch.cat([velocity(transformer, kind, x[rows[c]], s[c], select(emb, emb_index[start[rows[c]]].to(x.device)),
                                     guidance).float() for c in torch.arange(len(rows)).split(micro_batch)])
         x[rows] = x[rows] + v * ds  # Euler step dx = v dt
     return x
@@ -170,8 +172,8 @@ def load_pipeline(model: str, device, dtype=torch.float32):
     pipe.set_progress_bar_config(disable=True)
     for name in ("vae", "text_encoder", "text_encoder_2", "text_encoder_3", "transformer"):
         module = getattr(pipe, name, None)
-        if module is not None:
-            module.requires_grad_(False).eval().to(device)
+        if module is not None:  # on a GPU the text encoders (T5-XXL: 9.5 GiB) wait on the CPU between encodings
+            module.requires_grad_(False).eval().to("cpu" if name.startswith("text") else device)
     return pipe, kind
 
 
@@ -187,18 +189,24 @@ def latent_shape(pipe, kind: str, resolution: int) -> tuple:
 
 @torch.no_grad()
 def encode_prompts(pipe, kind: str, prompts: list[str], max_sequence_length: int, cfg: float = 1.0) -> dict:
-    """Text embeddings for each prompt (computed once per prompt; index them to repeat for a group)."""
+    """Text embeddings for each prompt (computed once per prompt; index them to repeat for a group). The text encoders
+    visit the transformer's device for the call and go back to the CPU afterwards."""
     device = pipe.transformer.device
-    if kind == "flux":
-        embeds, pooled, _ = pipe.encode_prompt(prompts, prompt_2=None, device=device, max_sequence_length=max_sequence_length)
-        return {"embeds": embeds, "pooled": pooled}
-    embeds, neg, pooled, neg_pooled = pipe.encode_prompt(
-        prompts, prompts, prompts, device=device, do_classifier_free_guidance=cfg > 1, negative_prompt="",
-        negative_prompt_2="", negative_prompt_3="", max_sequence_length=max_sequence_length)
-    out = {"embeds": embeds, "pooled": pooled}
-    if cfg > 1:
-        out.update(neg_embeds=neg, neg_pooled=neg_pooled)
-    return out
+    encoders = [m for m in (pipe.text_encoder, pipe.text_encoder_2, getattr(pipe, "text_encoder_3", None)) if m is not None]
+    for m in encoders:
+        m.to(device)
+    try:
+        if kind == "flux":
+            embeds, pooled, _ = pipe.encode_prompt(prompts, prompt_2=None, device=device,
+                                                   max_sequence_length=max_sequence_length)
+            return {"embeds": embeds, "pooled": pooled}
+        embeds, neg, pooled, neg_pooled = pipe.encode_prompt(
+            prompts, prompts, prompts, device=device, do_classifier_free_guidance=cfg > 1, negative_prompt="",
+            negative_prompt_2="", negative_prompt_3="", max_sequence_length=max_sequence_length)
+        return {"embeds": embeds, "pooled": pooled, **({"neg_embeds": neg, "neg_pooled": neg_pooled} if cfg > 1 else {})}
+    finally:
+        for m in encoders:
+            m.to("cpu")
 
 
 def select(emb: dict, index) -> dict:
@@ -237,31 +245,63 @@ def velocity(transformer, kind: str, x, sigma, emb: dict, guidance: float = 1.0)
 
 
 @torch.no_grad()
-def decode(pipe, latents) -> torch.Tensor:
-    """Latents -> float images in [0, 1], [B, 3, H, W]."""
+def decode(pipe, latents, batch: int = 4) -> torch.Tensor:
+    """Latents -> float images in [0, 1], [B, 3, H, W]; on a GPU `batch` latents per VAE call (the decoder's
+    temporaries, not its weights, dominate at 512-720 px)."""
     cfg = pipe.vae.config
-    z = latents / cfg.scaling_factor + (cfg.shift_factor or 0.0)
-    images = pipe.vae.decode(z.to(pipe.vae.dtype), return_dict=False)[0]
+    z = (latents / cfg.scaling_factor + (cfg.shift_factor or 0.0)).to(pipe.vae.dtype)
+    images = torch.cat([pipe.vae.decode(c, return_dict=False)[0] for c in z.split(batch if z.is_cuda else len(z))])
     return ((images.float() + 1) / 2).clamp(0, 1)
 
 
-def make_trainable(transformer, kind: str, lora_rank: int, lora_alpha: float, full_finetune: bool, reference: bool):
+def make_trainable(transformer, kind: str, lora_rank: int, lora_alpha: float, full_finetune: bool, reference: bool,
+                   sharded: bool = False, amp=None, checkpointing: bool = False):
     """LoRA adapters (peft, gaussian init) on the attention (and for Flux, MLP) projections, or full fine-tuning.
-    Returns the trainable parameters (kept in float32) and, if `reference` and fully fine-tuning, a frozen copy of
-    the initial transformer (a LoRA run's reference is the same transformer with its adapter disabled)."""
+    Returns the trainable parameters (float32) and, if `reference` and fully fine-tuning, a frozen copy of the initial
+    transformer (a LoRA run's reference is the same transformer with its adapter disabled). `sharded`: FSDP2, one
+    fully_shard per block, then the root, for the policy and the reference alike; compute gathers `amp` (bf16) weights,
+    gradients are reduced in float32, and the float32 master weights are made after sharding, from the local shards
+    only. `checkpointing`: diffusers' per-block activation checkpointing."""
     import copy
 
     ref = copy.deepcopy(transformer).requires_grad_(False) if reference and full_finetune else None
+    if checkpointing:
+        transformer.enable_gradient_checkpointing()
     if full_finetune:
         transformer.requires_grad_(True)
     else:
         from peft import LoraConfig
         transformer.add_adapter(LoraConfig(r=lora_rank, lora_alpha=lora_alpha, init_lora_weights="gaussian",
                                            target_modules=LORA_TARGETS[kind]))
+    if sharded:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        policy = MixedPrecisionPolicy(param_dtype=amp, reduce_dtype=torch.float32)
+        for model in [transformer] + ([ref] if ref is not None else []):
+            for block in [*model.transformer_blocks, *getattr(model, "single_transformer_blocks", [])]:
+                fully_shard(block, mp_policy=policy)
+            fully_shard(model, mp_policy=policy)
+        transformer.float()  # each rank's shards only
     params = [p for p in transformer.parameters() if p.requires_grad]
-    for p in params:
+    for p in params if not sharded else []:
         p.data = p.data.float()
     return params, ref
+
+
+@contextlib.contextmanager
+def gathered(transformer, sharded: bool):
+    """Keep a sharded transformer's blocks gathered (in their compute dtype) for a run of no-grad forwards, e.g. a
+    rollout, instead of all-gathering every block's weights again at every forward; reshard afterwards."""
+    blocks = [*transformer.transformer_blocks, *getattr(transformer, "single_transformer_blocks", [])] if sharded else []
+    for b in blocks:
+        b.set_reshard_after_forward(False)
+        b.unshard()
+    try:
+        yield
+    finally:
+        for b in blocks:
+            b.reshard()
+            b.set_reshard_after_forward(True)
 
 
 @contextlib.contextmanager
@@ -314,10 +354,10 @@ def _clip_preprocess(images, size: int, mean, std, pad_square: bool):
     return (x - torch.tensor(mean).view(1, 3, 1, 1).to(x)) / torch.tensor(std).view(1, 3, 1, 1).to(x)
 
 
-def open_clip_reward(name: str, device, checkpoint: str | None = None, pad_square: bool = False):
-    """Cosine of L2-normalised open_clip image and text features (no logit scale). `name`: an architecture
-    ('ViT-H-14', built without pretrained weights), 'hf-hub:...' or a local directory with open_clip_config.json;
-    `checkpoint`: a state_dict loaded strictly on top (HPS)."""
+def open_clip_reward(name: str, device, checkpoint: str | None = None, pad_square: bool = False, dtype=torch.float32):
+    """Cosine of L2-normalised open_clip image and text features (no logit scale), the model held and run in `dtype`.
+    `name`: an architecture ('ViT-H-14', built without pretrained weights), 'hf-hub:...' or a local directory with
+    open_clip_config.json; `checkpoint`: a state_dict loaded strictly on top (HPS)."""
     import open_clip
 
     name = f"local-dir:{name}" if os.path.isdir(name) else name
@@ -328,13 +368,13 @@ def open_clip_reward(name: str, device, checkpoint: str | None = None, pad_squar
     if checkpoint:
         state = load_safely(checkpoint)
         model.load_state_dict(state.get("state_dict", state), strict=True)
-    model.eval().requires_grad_(False).to(device)
+    model.eval().requires_grad_(False).to(device, dtype)
     size, cfg = model.visual.image_size, open_clip.get_model_preprocess_cfg(model)  # the model's own mean / std
     size, tokenizer = (size[0] if isinstance(size, (tuple, list)) else size), open_clip.get_tokenizer(name)
 
     @torch.no_grad()
     def score(images, prompts):
-        x = _clip_preprocess(images.to(device), size, cfg["mean"], cfg["std"], pad_square)
+        x = _clip_preprocess(images.to(device), size, cfg["mean"], cfg["std"], pad_square).to(dtype)
         img = torch.nn.functional.normalize(model.encode_image(x).float(), dim=-1)
         txt = torch.nn.functional.normalize(model.encode_text(tokenizer(list(prompts)).to(device)).float(), dim=-1)
         return (img * txt).sum(-1)
@@ -342,7 +382,7 @@ def open_clip_reward(name: str, device, checkpoint: str | None = None, pad_squar
     return score
 
 
-def hps_reward(checkpoint: str, device, arch: str = "ViT-H-14"):
+def hps_reward(checkpoint: str, device, arch: str = "ViT-H-14", dtype=torch.float32):
     """HPS-v2.1 as the hpsv2 package computes it, without that package: open_clip ViT-H-14 (no pretrained tag), a
     strict load of HPS_v2.1_compressed.pt's state_dict, longest side resized to 224 and padded, cosine similarity."""
     if not os.path.isfile(checkpoint):
@@ -353,16 +393,16 @@ def hps_reward(checkpoint: str, device, arch: str = "ViT-H-14"):
         except Exception as e:
             fail(f"HPS checkpoint {checkpoint!r} is neither a local file nor downloadable ({type(e).__name__}); "
                  f"pass --hps-checkpoint /path/to/HPS_v2.1_compressed.pt")
-    return open_clip_reward(arch, device, checkpoint, pad_square=True)
+    return open_clip_reward(arch, device, checkpoint, pad_square=True, dtype=dtype)
 
 
-def pickscore_reward(model_path: str, processor_path: str, device):
+def pickscore_reward(model_path: str, processor_path: str, device, dtype=torch.float32):
     """PickScore as in Flow-GRPO: logit_scale.exp() * cos(text, image) / 26 (transformers CLIPModel)."""
     from transformers import AutoProcessor, CLIPModel
 
     try:
         processor = AutoProcessor.from_pretrained(processor_path)
-        model = CLIPModel.from_pretrained(model_path).eval().requires_grad_(False).to(device)
+        model = CLIPModel.from_pretrained(model_path).eval().requires_grad_(False).to(device, dtype)
     except Exception as e:
         fail(f"cannot load PickScore from {model_path!r} / {processor_path!r} ({type(e).__name__}); "
              f"pass --pickscore-model and --pickscore-processor local directories")
@@ -371,10 +411,10 @@ def pickscore_reward(model_path: str, processor_path: str, device):
 
     @torch.no_grad()
     def score(images, prompts):
-        x = _clip_preprocess(images.to(device), size, ip.image_mean, ip.image_std, False)
+        x = _clip_preprocess(images.to(device), size, ip.image_mean, ip.image_std, False).to(dtype)
         tok = processor.tokenizer(list(prompts), padding="max_length", truncation=True, max_length=77,
                                   return_tensors="pt").to(device)
-        feats = lambda out: (out if torch.is_tensor(out) else out.pooler_output).float()  # noqa: E731 (transformers 4/5)
+        feats = lambda out: (out if torch.is_tensor(out) else out.pooler_output).float()  # noqa: E731 (transformers 4 / 5)
         img = torch.nn.functional.normalize(feats(model.get_image_features(pixel_values=x)), dim=-1)
         txt = torch.nn.functional.normalize(feats(model.get_text_features(**tok)), dim=-1)
         return model.logit_scale.exp().float() * (img * txt).sum(-1) / 26
@@ -399,20 +439,21 @@ REWARDS = ["hps", "clip", "pickscore", "jpeg"] + TOY_REWARDS
 
 
 def load_rewards(names, device, hps_checkpoint=None, clip_model=None, pickscore_model=None, pickscore_processor=None,
-                 hps_arch="ViT-H-14") -> dict:
-    """{name: fn(images, prompts) -> tensor [B]} for each requested reward, loaded once. Weights come from the given
+                 hps_arch="ViT-H-14", dtype=torch.float32) -> dict:
+    """{name: fn(images, prompts) -> tensor [B]} for each requested reward, loaded once, the models held and run in
+    `dtype` (bf16 on GPUs: scores within ~1e-2 of float32, see tests/test_rewards.py). Weights come from the given
     local paths, else from the hub: xswu/HPSv2, apple/DFN5B-CLIP-ViT-H-14-384, yuvalkirstain/PickScore_v1."""
     out = {}
     for name in names:
         if name not in REWARDS:
             fail(f"unknown reward {name!r}; choose from {REWARDS}")
         if name == "hps":
-            out[name] = hps_reward(hps_checkpoint or "xswu/HPSv2:HPS_v2.1_compressed.pt", device, hps_arch)
+            out[name] = hps_reward(hps_checkpoint or "xswu/HPSv2:HPS_v2.1_compressed.pt", device, hps_arch, dtype)
         elif name == "clip":  # CLIP score (MixGRPO, G2RPO)
-            out[name] = open_clip_reward(clip_model or "hf-hub:apple/DFN5B-CLIP-ViT-H-14-384", device)
+            out[name] = open_clip_reward(clip_model or "hf-hub:apple/DFN5B-CLIP-ViT-H-14-384", device, dtype=dtype)
         elif name == "pickscore":
             out[name] = pickscore_reward(pickscore_model or "yuvalkirstain/PickScore_v1",
-                                         pickscore_processor or "laion/CLIP-ViT-H-14-laion2B-s32B-b79K", device)
+                                         pickscore_processor or "laion/CLIP-ViT-H-14-laion2B-s32B-b79K", device, dtype)
         elif name == "jpeg":
             out[name] = jpeg_compressibility
         else:
@@ -534,18 +575,30 @@ def seed_everything(seed: int, deterministic: bool = False):
     torch.backends.cudnn.deterministic = deterministic
 
 
-def make_writer(run_dir: str, args, track: bool = False, project: str = "flow-rl", rank: int = 0):
-    """Rank 0: TensorBoard writer in runs/<run_name> (plus wandb syncing it when `track`), hyperparameters as text."""
+def make_writer(run_dir: str, args, track: bool = False, project: str = "flow-rl", rank: int = 0, resume: str | None = None):
+    """Rank 0: TensorBoard writer in runs/<run_name> (plus wandb syncing it when `track`), hyperparameters as text.
+    Resuming from the checkpoint `resume` (iteration N) first drops what the killed run logged after N: metrics.jsonl
+    rows, eval_<i>.json, samples/eval_<i>.png and TensorBoard events, so the log reads like an uninterrupted run's."""
     if rank != 0:
         return None
     from torch.utils.tensorboard import SummaryWriter
+
+    done = int(os.path.basename(resume.rstrip("/"))[5:]) if resume else None
+    if done is not None and os.path.isfile(os.path.join(run_dir, "metrics.jsonl")):
+        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+            rows = [line for line in f if json.loads(line)["iteration"] <= done]
+        with open(os.path.join(run_dir, "metrics.jsonl"), "w") as f:
+            f.writelines(rows)
+        for d, name in [(d, n) for d in (run_dir, os.path.join(run_dir, "samples")) if os.path.isdir(d) for n in os.listdir(d)]:
+            if name.startswith("eval_") and name.split(".")[0][5:].isdigit() and int(name.split(".")[0][5:]) > done:
+                os.remove(os.path.join(d, name))
 
     if track:
         import wandb
 
         wandb.init(project=project, sync_tensorboard=True, config=vars(args), name=os.path.basename(run_dir),
                    save_code=True)
-    writer = SummaryWriter(run_dir)
+    writer = SummaryWriter(run_dir, purge_step=None if done is None else done + 1)
     writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
     return writer
 
@@ -584,6 +637,58 @@ def image_grid(images, captions, ncols: int = 6):
     return fig
 
 
+def save_eval_grid(run_dir: str, iteration: int, images, prompts: list, scores: dict, n: int = 12):
+    """runs/<run>/samples/eval_<iteration>.png: the first n fixed evaluation pairs, captioned with prompt and rewards."""
+    os.makedirs(os.path.join(run_dir, "samples"), exist_ok=True)
+    captions = [f"{p[:60]}\n" + " ".join(f"{k}={v[i]:.3f}" for k, v in scores.items()) for i, p in enumerate(prompts[:n])]
+    fig = image_grid(images[:n].cpu(), captions)
+    fig.suptitle(f"iteration {iteration}: ODE samples of fixed prompt / seed pairs", fontsize=9)
+    fig.savefig(os.path.join(run_dir, "samples", f"eval_{iteration}.png"), dpi=100)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+
+
+def run_summary(run_dir: str, args, kind: str, weights: dict, seconds: float) -> str:
+    """What a run did, from its metrics.jsonl and eval_<i>.json: each evaluated reward at the first and the last
+    evaluation (the same fixed pairs) with the paired standard error of the change, the wall time and NFE, and where the
+    samples and the checkpoint are, with the lines that load it in diffusers."""
+    rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    trained = [r for r in rows if "perf/seconds_per_iteration" in r]
+    out = [f"\n{args.exp_name} on {args.model}: {len(trained)} iterations in {seconds / 60:.1f} min "
+           f"({sum(r['perf/seconds_per_iteration'] for r in trained) / 60:.1f} min of training), "
+           f"{sum(r['perf/nfe_per_iteration'] for r in trained):,.0f} transformer evaluations (NFE)"]
+    evals = sorted(int(f[5:-5]) for f in os.listdir(run_dir) if f.startswith("eval_") and f.endswith(".json"))
+    if len(evals) > 1:
+        first, last = (json.load(open(os.path.join(run_dir, f"eval_{i}.json"))) for i in (evals[0], evals[-1]))
+        first["training reward"], last["training reward"] = ([sum(weights[k] * e[k][j] for k in weights)
+                                                               for j in range(len(e[args.rewards[0]]))] for e in (first, last))
+        out.append(f"Evaluation on {len(last['training reward'])} fixed prompt/seed pairs (ODE, {args.eval_steps} steps), "
+                   f"iteration {evals[0]} -> {evals[-1]}, change +- paired standard error:")
+        for name in ["training reward"] + [k for k in last if k != "training reward"]:
+            d = torch.tensor(last[name], dtype=torch.float64) - torch.tensor(first[name], dtype=torch.float64)
+            se = float(d.std() / math.sqrt(len(d))) if len(d) > 1 else float("nan")
+            verdict = "improved" if d.mean() > 2 * se else "got worse" if d.mean() < -2 * se else "no change beyond 2 SE"
+            out.append(f"  {name:>20}: {sum(first[name]) / len(d):.4f} -> {sum(last[name]) / len(d):.4f} "
+                       f"({d.mean():+.4f} +- {se:.4f}, {d.mean() / se if se > 0 else 0:+.1f} SE): {verdict}")
+    ckpt = latest_checkpoint(run_dir)
+    out.append(f"Samples of every evaluation: {os.path.join(run_dir, 'samples')}/eval_<iteration>.png")
+    if ckpt:
+        model = MODEL_ALIASES.get(args.model, args.model)
+        model = os.path.relpath(model) if os.path.abspath(model).startswith(os.getcwd() + os.sep) else model
+        pipe_cls, tr_cls = ("FluxPipeline", "FluxTransformer2DModel") if kind == "flux" else (
+            "StableDiffusion3Pipeline", "SD3Transformer2DModel")
+        load = (f"pipe = {pipe_cls}.from_pretrained({model!r}, transformer={tr_cls}.from_pretrained("
+                f"{os.path.join(ckpt, 'transformer')!r}))" if args.full_finetune else
+                f"pipe = {pipe_cls}.from_pretrained({model!r}); pipe.load_lora_weights({os.path.join(ckpt, 'lora')!r})")
+        out += [f"Checkpoint: {ckpt} (resume with --resume {run_dir}); in diffusers:",
+                f"  from diffusers import {pipe_cls}, {tr_cls}", f"  {load}",
+                f"  image = pipe('a red circle on the left', height={args.resolution}, width={args.resolution}, "
+                f"num_inference_steps={args.eval_steps}, guidance_scale={args.guidance}, "
+                f"max_sequence_length={args.max_sequence_length}).images[0]"]
+    return "\n".join(out)
+
+
 @torch.no_grad()
 def ema_update(ema: list, params: list, decay: float, step: int):
     """Exponential moving average of the trainable parameters (used for evaluation and the exported weights), with
@@ -608,14 +713,85 @@ def swapped_in(params: list, values):
                 p.copy_(b)
 
 
-def save_checkpoint(ckpt_dir: str, write_fn):
-    """Atomic checkpoint: `write_fn(tmp_dir)` writes everything, then one rename publishes it."""
-    tmp = ckpt_dir + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    write_fn(tmp)
-    shutil.rmtree(ckpt_dir, ignore_errors=True)
-    os.replace(tmp, ckpt_dir)
+def _barrier():
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def save_state(path: str, iteration: int, transformer, optimizer, params, names, ema, args, pipe, sharded: bool):
+    """Atomic checkpoint at `path` (written to path.tmp, published with one rename): state.pt (iteration, args; for an
+    unsharded run also the trainable weights, optimizer and EMA), dcp/ (a sharded run: each rank writes its own shards
+    of the weights and optimizer with torch.distributed.checkpoint, nothing is gathered), and the exported weights:
+    lora/ (diffusers LoRA, `pipe.load_lora_weights`) or transformer/ (diffusers; a sharded run writes one file per
+    rank plus an index, both read by `<Transformer>.from_pretrained`). With an EMA the exports hold the EMA."""
+    from safetensors.torch import save_file
+
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    tmp = path + ".tmp"
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(os.path.join(tmp, "transformer"))
+    _barrier()
+    state = {"iteration": iteration, "args": vars(args)}
+    if sharded:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_state, optim_state = get_state_dict(transformer, optimizer)
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=os.path.join(tmp, "dcp"))
+        files, mine = {}, {}
+        for k, (name, t) in enumerate(transformer.state_dict().items()):  # every rank gathers one tensor at a time
+            full, files[name] = t.full_tensor() if hasattr(t, "full_tensor") else t, f"{k % world + 1:05d}"
+            if k % world == rank:
+                mine[name] = full.detach().cpu().contiguous()
+        save_file(mine, os.path.join(tmp, "transformer", f"diffusion_pytorch_model-{rank + 1:05d}-of-{world:05d}.safetensors"))
+        if rank == 0:
+            config = json.loads(transformer.to_json_string())
+            config["_class_name"] = config["_class_name"].removeprefix("FSDP")  # the class FSDP2 wrapped
+            with open(os.path.join(tmp, "transformer", "config.json"), "w") as f:
+                json.dump(config, f, indent=1)
+            weight_map = {n: f"diffusion_pytorch_model-{i}-of-{world:05d}.safetensors" for n, i in files.items()}
+            with open(os.path.join(tmp, "transformer", "diffusion_pytorch_model.safetensors.index.json"), "w") as f:
+                json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=1)
+    elif rank == 0:
+        state.update(trainable={n: p.detach().cpu().clone() for n, p in zip(names, params)},
+                     optimizer=optimizer.state_dict(), ema=dict(zip(names, (e.cpu() for e in ema))) if ema else None)
+        with swapped_in(params, ema):
+            if args.full_finetune:
+                transformer.save_config(os.path.join(tmp, "transformer"))
+                save_file({k: v.detach().contiguous().cpu() for k, v in transformer.state_dict().items()},
+                          os.path.join(tmp, "transformer", "diffusion_pytorch_model.safetensors"))
+            else:
+                from peft.utils import get_peft_model_state_dict
+
+                os.rmdir(os.path.join(tmp, "transformer"))
+                type(pipe).save_lora_weights(os.path.join(tmp, "lora"), get_peft_model_state_dict(transformer))
+    if rank == 0:
+        torch.save(state, os.path.join(tmp, "state.pt"))
+    _barrier()
+    if rank == 0:
+        shutil.rmtree(path, ignore_errors=True)
+        os.replace(tmp, path)
+    _barrier()
+
+
+def load_state(path: str, transformer, optimizer, params, names, sharded: bool, device, with_ema: bool):
+    """Restore what save_state wrote (same world size for a sharded run). Returns (iteration, ema or None)."""
+    state = load_safely(os.path.join(path, "state.pt"))
+    if sharded:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        model_state, optim_state = get_state_dict(transformer, optimizer)
+        shards = {"model": model_state, "optim": optim_state}
+        dcp.load(shards, checkpoint_id=os.path.join(path, "dcp"))  # each rank reads its own shards in place
+        set_state_dict(transformer, optimizer, model_state_dict=shards["model"], optim_state_dict=shards["optim"])
+    else:
+        with torch.no_grad():
+            for p, n in zip(params, names):
+                p.copy_(state["trainable"][n])
+        optimizer.load_state_dict(state["optimizer"])
+    return state["iteration"], [state["ema"][n].to(device) for n in names] if with_ema else None
 
 
 def latest_checkpoint(path: str):

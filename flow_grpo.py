@@ -11,10 +11,10 @@ import tyro
 from tqdm import tqdm
 
 from common import (NFE, apply_preset, broadcast_object, clipped_policy_loss, combine_advantages, decode, ema_update,
-                    encode_prompts, fail, gather_cat, image_grid, latent_shape, latest_checkpoint, load_pipeline,
-                    load_prompt_set, load_rewards, load_safely, log_metrics, make_trainable, make_writer, ode_complete,
-                    optimizer_step, save_checkpoint, score, sde_step, seed_everything, select, setup_distributed,
-                    sigma_schedule, swapped_in, velocity)
+                    encode_prompts, fail, gather_cat, gathered, image_grid, latent_shape, latest_checkpoint, load_pipeline,
+                    load_prompt_set, load_rewards, load_state, log_metrics, make_trainable, make_writer, ode_complete,
+                    optimizer_step, run_summary, save_eval_grid, save_state, score, sde_step, seed_everything, select,
+                    setup_distributed, sigma_schedule, swapped_in, velocity)
 from common import reference_kl  # algorithm specific
 
 
@@ -39,7 +39,7 @@ class Args:
     model: str = "sd3.5-medium"
     """a hub id, a local pipeline directory, or an alias: sd3.5-medium, flux-dev, toy (the embedded toy setting)"""
     mixed_precision: Literal["no", "bf16", "fp16"] = "bf16"
-    """autocast dtype for model forwards on CUDA (frozen weights are stored in it); the SDE math is always float32"""
+    """compute dtype on CUDA: frozen weights and sharded forwards in it, autocast for the rest; the SDE math is float32"""
     resolution: int = 512
     """image height and width in pixels"""
     max_sequence_length: int = 128
@@ -115,6 +115,9 @@ class Args:
     # Optimisation
     full_finetune: bool = False
     """train every transformer weight (FSDP2 across ranks) instead of LoRA adapters"""
+    gradient_checkpointing: bool = False
+    """recompute each transformer block's activations in the backward pass (diffusers' per-block checkpointing): about
+    a third more training compute for a fraction of the activation memory"""
     lora_rank: int = 32
     """LoRA rank"""
     lora_alpha: int = 64
@@ -196,7 +199,7 @@ if __name__ == "__main__":
     run_dir = os.path.dirname(os.path.dirname(ckpt)) if ckpt else broadcast_object(os.path.join(args.output_dir, run_name))
     if rank == 0:
         os.makedirs(run_dir, exist_ok=True)
-    writer = make_writer(run_dir, args, args.track, args.wandb_project, rank)
+    writer = make_writer(run_dir, args, args.track, args.wandb_project, rank, ckpt)
     seed_everything(args.seed, args.torch_deterministic)
 
     # TRY NOT TO MODIFY: model, rewards, prompts, optimizer
@@ -206,40 +209,18 @@ if __name__ == "__main__":
     C, H, W = latent_shape(pipe, kind, args.resolution)
     weights = dict(zip(args.rewards, args.reward_weights or [1.0] * len(args.rewards)))
     reward_fns = load_rewards(dict.fromkeys(args.rewards + args.eval_rewards), device, args.hps_checkpoint,
-                              args.clip_model, args.pickscore_model, args.pickscore_processor)
+                              args.clip_model, args.pickscore_model, args.pickscore_processor, dtype=amp or torch.float32)
     eval_fns, reward_fns = reward_fns, {k: reward_fns[k] for k in args.rewards}
     train_prompts, eval_prompts = load_prompt_set(args.prompts, "train"), load_prompt_set(args.eval_prompts, "test")
-    params, ref_model = make_trainable(transformer, kind, args.lora_rank, args.lora_alpha, args.full_finetune, args.beta > 0)
+    sharded = args.full_finetune and world > 1  # FSDP2 across ranks; LoRA runs average gradients (DDP style)
+    params, ref_model = make_trainable(transformer, kind, args.lora_rank, args.lora_alpha, args.full_finetune, args.beta > 0,
+                                    sharded, amp, args.gradient_checkpointing)
     names = [n for n, p in transformer.named_parameters() if p.requires_grad]
-    sharded = args.full_finetune and world > 1
-    if sharded:  # FSDP2: shard every transformer block, then the root
-        from torch.distributed.fsdp import fully_shard
-
-        for block in list(transformer.transformer_blocks) + list(getattr(transformer, "single_transformer_blocks", [])):
-            fully_shard(block)
-        fully_shard(transformer)
-        params = [p for p in transformer.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=args.learning_rate, betas=(0.9, 0.999), weight_decay=args.weight_decay,
                                   eps=1e-8)
     ema = [p.detach().float().clone() for p in params] if args.ema else None
-    autocast = lambda: torch.autocast(device.type, dtype=amp, enabled=amp is not None)  # noqa: E731
-    start = 0
-    if ckpt:
-        state = load_safely(os.path.join(ckpt, "state.pt"))
-        if sharded:
-            from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
-                                                                 set_optimizer_state_dict)
-
-            opts = StateDictOptions(full_state_dict=True, strict=False)
-            set_model_state_dict(transformer, state["trainable"], options=opts)
-            set_optimizer_state_dict(transformer, optimizer, state["optimizer"], options=opts)
-        else:
-            with torch.no_grad():
-                for p, n in zip(params, names):
-                    p.copy_(state["trainable"][n])
-            optimizer.load_state_dict(state["optimizer"])
-        ema = [state["ema"][n].to(device) for n in names] if args.ema else None
-        start = state["iteration"]
+    autocast = lambda: torch.autocast(device.type, dtype=amp, enabled=amp is not None, cache_enabled=False)  # noqa: E731
+    start, ema = load_state(ckpt, transformer, optimizer, params, names, sharded, device, args.ema) if ckpt else (0, ema)
     sigmas = sigma_schedule(args.num_steps, args.shift, pipe if args.schedule == "pipeline" else None, kind, H * W // 4)
     eval_sigmas = sigma_schedule(args.eval_steps, args.shift, pipe, kind, H * W // 4)  # evaluation: as the pipeline samples
     P, G, T = args.prompts_per_iteration // world, args.group_size, args.num_steps
@@ -250,46 +231,19 @@ if __name__ == "__main__":
         pairs = list(range(rank, args.eval_num, world))
         prompts = [eval_prompts[k % len(eval_prompts)] for k in pairs]
         noise = torch.stack([torch.randn(C, H, W, generator=torch.Generator().manual_seed(10**6 + k)) for k in pairs])
-        with swapped_in(params, ema), autocast():
+        with swapped_in(params, ema), autocast(), gathered(transformer, sharded):
             emb = encode_prompts(pipe, kind, prompts, args.max_sequence_length, args.guidance)
             x0 = ode_complete(transformer, kind, noise.to(device), [list(range(args.eval_steps + 1))] * len(noise),
                               eval_sigmas, emb, args.guidance, args.micro_batch)
             images = torch.cat([decode(pipe, z) for z in x0.split(args.micro_batch)])
-        scores = {k: gather_cat(v.to(device)).cpu() for k, v in score(eval_fns, images, prompts).items()}
+        local = score(eval_fns, images, prompts)
+        scores = {k: gather_cat(v.to(device)).cpu() for k, v in local.items()}
         log_metrics(writer, run_dir, iteration, {f"eval/{k}": v.mean() for k, v in scores.items()}, per_sample=scores)
+        if writer is not None:  # the same pairs every time: flip through runs/<run>/samples/eval_*.png
+            save_eval_grid(run_dir, iteration, images, prompts, local)
+        return sum(weights[k] * scores[k].mean() for k in args.rewards).item()  # the training reward on held-out pairs
 
-    def checkpoint(iteration):
-        """Atomic checkpoint: exported weights (LoRA in diffusers format or the transformer), optimizer, EMA, step."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
-
-        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        full = get_model_state_dict(transformer, options=opts) if sharded else dict(transformer.state_dict())
-        trainable = {n: full[n].detach().cpu().clone() for n in names} if rank == 0 else {}
-        optim = get_optimizer_state_dict(transformer, optimizer, options=opts) if sharded else optimizer.state_dict()
-        if rank != 0:
-            return
-
-        def write(tmp):
-            torch.save({"iteration": iteration, "trainable": trainable, "optimizer": optim, "args": vars(args),
-                        "ema": dict(zip(names, (e.cpu() for e in ema))) if ema else None}, os.path.join(tmp, "state.pt"))
-            export = dict(full, **dict(zip(names, (e.cpu() for e in ema)))) if ema else full
-            if args.full_finetune:
-                from safetensors.torch import save_file
-
-                os.makedirs(os.path.join(tmp, "transformer"))
-                transformer.save_config(os.path.join(tmp, "transformer"))
-                save_file({k: v.contiguous().cpu() for k, v in export.items()},
-                          os.path.join(tmp, "transformer", "diffusion_pytorch_model.safetensors"))
-            else:
-                from peft.utils import get_peft_model_state_dict
-
-                with swapped_in(params, ema):
-                    type(pipe).save_lora_weights(os.path.join(tmp, "lora"), get_peft_model_state_dict(transformer))
-
-        save_checkpoint(os.path.join(run_dir, "checkpoints", f"iter_{iteration}"), write)
-
-    if start == 0 and args.eval_every:
-        evaluate(0)  # the base model
+    t0, headline = time.time(), evaluate(0) if start == 0 and args.eval_every else None  # iteration 0: the base model
     pbar = tqdm(range(start, args.num_iterations), disable=rank != 0, desc="iterations", initial=start,
                 total=args.num_iterations)
     for iteration in pbar:
@@ -305,7 +259,7 @@ if __name__ == "__main__":
         x = torch.randn(P, 1 if args.same_init_noise else G, C, H, W, generator=gen).expand(P, G, C, H, W)
         latents, old_log_probs = [x.reshape(P * G, C, H, W).to(device)], []
         chunks = torch.arange(P * G).split(args.micro_batch)
-        with torch.no_grad(), autocast():
+        with torch.no_grad(), autocast(), gathered(transformer, sharded):  # weights gathered once for the rollout
             emb = encode_prompts(pipe, kind, prompts, args.max_sequence_length, args.guidance)
             for i in range(T):
                 v = torch.cat([velocity(transformer, kind, latents[i][c], sigmas[i], select(emb, group[c]), args.guidance)
@@ -362,16 +316,19 @@ if __name__ == "__main__":
                         "perf/nfe_per_iteration": (NFE["count"] - nfe_start) * world,
                         "perf/rollout_seconds": t_rollout, "perf/seconds_per_iteration": time.time() - t_start})
         log_metrics(writer, run_dir, iteration + 1, metrics)
-        pbar.set_postfix(reward=f"{sum(v.mean() for v in all_scores.values()).item():.3f}", ratio=f"{first_dev:.1e}")
+        pbar.set_postfix({**{k: f"{v.mean():.3f}" for k, v in all_scores.items()}, "eval": f"{headline or float('nan'):.3f}",
+                          "ratio-1": f"{first_dev:.0e}"})
         if writer is not None and args.log_images_every and (iteration + 1) % args.log_images_every == 0:
             caption = lambda k: f"{prompts[0][:40]}\n" + " ".join(f"{n}={v[k]:.3f}" for n, v in scores.items())  # noqa: E731
             writer.add_figure("samples", image_grid(images[:G].cpu(), [caption(k) for k in range(G)]), iteration + 1)
         last = iteration + 1 == args.num_iterations
         if args.eval_every and ((iteration + 1) % args.eval_every == 0 or last):
-            evaluate(iteration + 1)
+            headline = evaluate(iteration + 1)
         if (args.save_every and (iteration + 1) % args.save_every == 0) or last:
-            checkpoint(iteration + 1)
+            save_state(os.path.join(run_dir, "checkpoints", f"iter_{iteration + 1}"), iteration + 1, transformer, optimizer,
+                       params, names, ema, args, pipe, sharded)
     if writer is not None:
         writer.close()
+        print(run_summary(run_dir, args, kind, weights, time.time() - t0))
     if world > 1:
         torch.distributed.destroy_process_group()

@@ -20,38 +20,52 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VERSION = 2  # bumped whenever a change alters what the toy runs compute (2: after the fidelity fixes)
 A, B, S = "toy_color_position", "toy_shape_count", "toy_strict"
 PSI = "results/toy_psi.json"  # runs start in the repository root
-DANCE = ["--noise-form", "dance", "--noise-level", "0.3", "--timestep-selection", "random", "--same-init-noise",
-         "--std-unbiased", "--adv-eps", "1e-8"]
-# name: (script, flags on top of the TOY preset, planned NFE per iteration: every forward, incl. training and reference)
+DANCE = ["--schedule", "shifted", "--noise-form", "dance", "--noise-level", "0.3", "--timestep-selection", "random",
+         "--same-init-noise", "--std-unbiased", "--adv-eps", "1e-8"]
+# name: (script, flags on top of the TOY preset, planned NFE per iteration: every forward, incl. training and reference,
+#        seeds)
 # flow_grpo / dance: 8 prompts x 12 x 16 steps + 8 trained steps x 96 x (policy + reference) = 1536 + 1536
 # g2rpo: 4 prompts x NFE per prompt (README table) + 8 trained steps x 4 prompts (v(x_k) is shared by a group; no KL)
 # densegrpo: 4 prompts x 12 x (16 + sum_t (min(n, t) - 1)) + 8 trained steps x 48 x (policy + reference)
 CONFIGS = {
-    "flow_grpo": ("flow_grpo.py", [], 3072),
-    "dance_grpo": ("flow_grpo.py", DANCE, 3072),
-    "g2rpo_L1": ("g2rpo.py", ["--lambdas", "1"], 4 * 1112 + 32),
-    "g2rpo_L12": ("g2rpo.py", ["--lambdas", "1", "2"], 4 * 1592 + 32),
-    "g2rpo_L13": ("g2rpo.py", ["--lambdas", "1", "3"], 4 * 1412 + 32),
-    "g2rpo_L123": ("g2rpo.py", ["--lambdas", "1", "2", "3"], 4 * 1892 + 32),
-    "dense_uniform": ("densegrpo.py", ["--prompts-per-iteration", "4"], 4 * 12 * 136 + 768),
-    "dense_calibrated": ("densegrpo.py", ["--prompts-per-iteration", "4", "--psi", PSI], 4 * 12 * 136 + 768),
-    "dense_n1": ("densegrpo.py", ["--prompts-per-iteration", "4", "--psi", PSI, "--dense-ode-steps", "1"], 4 * 12 * 16 + 768),
-    "dense_n2": ("densegrpo.py", ["--prompts-per-iteration", "4", "--psi", PSI, "--dense-ode-steps", "2"], 4 * 12 * 31 + 768),
-    "flow_grpo_colour_only": ("flow_grpo.py", ["--rewards", A, "--eval-rewards", B, S], 3072),
-    "flow_grpo_shape_only": ("flow_grpo.py", ["--rewards", B, "--eval-rewards", A, S], 3072),
+    "flow_grpo": ("flow_grpo.py", [], 3072, 5),
+    "dance_grpo": ("flow_grpo.py", DANCE, 3072, 5),
+    "g2rpo_L1": ("g2rpo.py", ["--lambdas", "1"], 4 * 1112 + 32, 5),
+    "g2rpo_L12": ("g2rpo.py", ["--lambdas", "1", "2"], 4 * 1592 + 32, 3),
+    "g2rpo_L13": ("g2rpo.py", ["--lambdas", "1", "3"], 4 * 1412 + 32, 3),
+    "g2rpo_L123": ("g2rpo.py", ["--lambdas", "1", "2", "3"], 4 * 1892 + 32, 5),
+    "g2rpo_L123_1step": ("g2rpo.py", ["--lambdas", "1", "2", "3", "--updates-per-iteration", "1", "--learning-rate", "1e-4"],
+                         4 * 1892 + 32, 3),
+    "dense_uniform": ("densegrpo.py", ["--prompts-per-iteration", "4"], 4 * 12 * 136 + 768, 5),
+    "dense_calibrated": ("densegrpo.py", ["--prompts-per-iteration", "4", "--psi", PSI], 4 * 12 * 136 + 768, 5),
+    "dense_n1": ("densegrpo.py", ["--prompts-per-iteration", "4", "--psi", PSI, "--dense-ode-steps", "1"], 4 * 12 * 16 + 768,
+                 3),
+    "dense_n2": ("densegrpo.py", ["--prompts-per-iteration", "4", "--psi", PSI, "--dense-ode-steps", "2"], 4 * 12 * 31 + 768,
+                 3),
+    "flow_grpo_exact_kl": ("flow_grpo.py", ["--kl-form", "exact"], 3072, 3),
+    "flow_grpo_colour_only": ("flow_grpo.py", ["--rewards", A, "--eval-rewards", B, S], 3072, 3),
+    "flow_grpo_shape_only": ("flow_grpo.py", ["--rewards", B, "--eval-rewards", A, S], 3072, 3),
 }
 FIGURES = {  # file: (question, configs)
     "algorithms": ("Which algorithm improves fastest per iteration, per NFE and per second?",
-                   ["flow_grpo", "dance_grpo", "g2rpo_L123", "dense_calibrated"]),
+                   ["flow_grpo", "dance_grpo", "g2rpo_L1", "g2rpo_L123", "dense_uniform", "dense_calibrated"]),
     "g2rpo_lambdas": ("G2RPO: does multi-granularity (Lambda) help, and at what cost?",
                       ["g2rpo_L1", "g2rpo_L12", "g2rpo_L13", "g2rpo_L123"]),
     "dense_psi_n": ("DenseGRPO: calibrated vs uniform psi, and ODE completion length n",
                     ["dense_uniform", "dense_calibrated", "dense_n1", "dense_n2"]),
+    "fidelity_choices": ("KL scale and optimizer steps: Flow-GRPO official vs exact KL, G2RPO per-k vs one step",
+                         ["flow_grpo", "flow_grpo_exact_kl", "g2rpo_L123", "g2rpo_L123_1step"]),
     "reward_hacking": ("Single-reward training: do the other reward and the strict metric fall?",
                        ["flow_grpo", "flow_grpo_colour_only", "flow_grpo_shape_only"]),
 }
+
+
+def seeds_of(a, config):
+    """The seeds a config runs: --seeds if given, else 0 .. (its count in CONFIGS) - 1."""
+    return a.seeds if a.seeds else list(range(CONFIGS[config][3]))
 
 
 def plan(a):
@@ -69,7 +83,7 @@ def raw_path(a, config, seed):
 def settings(a, config, iterations):
     """Everything a finished or interrupted run depends on; a rerun must match it to reuse the run."""
     return {"iterations": iterations, "eval_every": a.eval_every, "eval_num": a.eval_num, "extra": a.extra,
-            "flags": CONFIGS[config][1]}
+            "flags": CONFIGS[config][1], "version": VERSION}
 
 
 def check_settings(path, want):
@@ -80,7 +94,7 @@ def check_settings(path, want):
 
 
 def command(a, config, seed, iterations, out_dir):
-    script, flags, _ = CONFIGS[config]
+    script, flags = CONFIGS[config][:2]
     cmd = [sys.executable, os.path.join(ROOT, script), "--model", "toy", "--seed", str(seed), "--output-dir", out_dir,
            "--exp-name", config, "--num-iterations", str(iterations), "--eval-every", str(a.eval_every), "--eval-num",
            str(a.eval_num), "--save-every", str(a.eval_every), "--log-images-every", "0", *flags, *a.extra.split()]
@@ -117,11 +131,12 @@ def collect(a, config, seed, iterations, out_dir):
 def run_all(a):
     iters = plan(a)
     for c in a.configs:
-        for s in a.seeds:
+        for s in seeds_of(a, c):
             check_settings(raw_path(a, c, s), settings(a, c, iters[c]))
             check_settings(os.path.join(a.runs_dir, c, f"seed{s}.json"), settings(a, c, iters[c]))
-    todo = [(c, s) for s in a.seeds for c in sorted(a.configs, key=lambda c: -iters[c] * CONFIGS[c][2])
-            if not os.path.exists(raw_path(a, c, s))]
+    todo = [(c, s) for s in range(max(max(seeds_of(a, c)) for c in a.configs) + 1)
+            for c in sorted(a.configs, key=lambda c: -iters[c] * CONFIGS[c][2])
+            if s in seeds_of(a, c) and not os.path.exists(raw_path(a, c, s))]
     print(f"{len(todo)} runs to do, {a.workers} at a time; iterations per config: {iters}", flush=True)
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONWARNINGS="ignore",
                TOKENIZERS_PARALLELISM="false")
@@ -170,7 +185,7 @@ def loop(a, iters, todo, running, failed, env, t0):
 def load(a):
     runs = {}
     for c in a.configs:
-        for s in a.seeds:
+        for s in seeds_of(a, c):
             if os.path.exists(raw_path(a, c, s)):
                 runs.setdefault(c, []).append(json.load(open(raw_path(a, c, s))))
     return runs
@@ -240,7 +255,7 @@ def summarize(a):
     eq_iter = min(x[-1]["iteration"] for xs in cv.values() for x in xs)
     eq_nfe = min(x[-1]["nfe"] for xs in cv.values() for x in xs)
     pairs = sorted({len(e[S]) for rs in runs.values() for r in rs for e in r["evals"].values()})
-    lines = [f"# Toy-world comparison ({len(a.seeds)} seeds requested; seeds per row in the n column)", "",
+    lines = ["# Toy-world comparison (seeds per row in the n column)", "",
              f"Evaluation: ODE sampling, {'/'.join(map(str, pairs))} fixed held-out prompt/seed pairs. Cells: mean +- std "
              "over seeds, in brackets the change from the base model (iteration 0) +- its standard error over seeds; "
              "'strict gain / SE' is that change of the strict metric over its standard error (n/a with one seed). "
@@ -319,7 +334,7 @@ def summarize(a):
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS), metavar="CONFIG")
-    p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    p.add_argument("--seeds", nargs="+", type=int, default=None, help="default: each config's own count (CONFIGS)")
     p.add_argument("--workers", type=int, default=2, help="runs side by side, one thread each")
     p.add_argument("--budget-nfe", type=float, default=61_440, help="NFE per run (= 20 Flow-GRPO iterations)")
     p.add_argument("--min-iterations", type=int, default=10)

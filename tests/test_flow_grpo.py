@@ -1,4 +1,5 @@
 """flow_grpo.py end to end on tiny random Flux and SD3 pipelines (CPU, offline)."""
+import json
 import os
 
 import pytest
@@ -16,8 +17,12 @@ def tiny(tmp_path_factory):
 @pytest.mark.parametrize("kind", ["flux", "sd3"])
 def test_two_iterations_lora(tiny, tmp_path, kind):
     extra = {"guidance": 4.5} if kind == "sd3" else {}
-    run_script("flow_grpo.py", tiny_flags(tiny[kind], tiny["prompts"], tmp_path, ema_every=1, **extra))
+    out = run_script("flow_grpo.py", tiny_flags(tiny[kind], tiny["prompts"], tmp_path, ema_every=1, **extra)).stdout
     run, m = read_metrics(tmp_path)
+    # the end-of-run summary and the evaluation grids (issue: what a new user sees)
+    assert "iteration 0 -> 2, change +- paired standard error" in out and "training reward" in out and "eval_<iteration>.png" in out
+    assert f"pipe.load_lora_weights('{os.path.join(run, 'checkpoints', 'iter_2', 'lora')}')" in out
+    assert sorted(os.listdir(os.path.join(run, "samples"))) == ["eval_0.png", "eval_2.png"]
     for it in (1, 2):
         assert m[it]["train/first_ratio_max_dev"] <= 1e-6  # on-policy: identical numerics in sampling and training
         assert m[it]["perf/nfe_rollout_per_prompt"] == 4 * 4  # G * T
@@ -39,6 +44,30 @@ def test_full_finetune_changes_weights(tiny, tmp_path):
     assert before.keys() == after.keys()
     changed = [k for k in before if not torch.equal(before[k], after[k])]
     assert len(changed) > len(before) // 2
+
+
+def test_resume_after_a_kill_reads_like_one_run(tiny, tmp_path):
+    """A run killed after logging iteration 3 but before its checkpoint resumes from iter_2: metrics.jsonl, eval_3.json
+    and samples/eval_3.png are rewritten, never duplicated, and equal the uninterrupted run's."""
+    flags = dict(num_iterations=3, eval_every=1, save_every=2, ema_every=1)
+    run_script("flow_grpo.py", tiny_flags(tiny["flux"], tiny["prompts"], tmp_path / "full", **flags))
+    run_script("flow_grpo.py", tiny_flags(tiny["flux"], tiny["prompts"], tmp_path / "part", **flags))
+    run, _ = read_metrics(tmp_path / "part")
+    import shutil
+
+    shutil.rmtree(os.path.join(run, "checkpoints", "iter_3"))  # killed before the last checkpoint was published
+    os.remove(os.path.join(run, "eval_2.json"))  # resuming from iter_2 keeps what it logged up to iteration 2 ...
+    run_script("flow_grpo.py", tiny_flags(tiny["flux"], tiny["prompts"], tmp_path / "part", resume=run, **flags))
+    full_run, _ = read_metrics(tmp_path / "full")
+    rows = lambda r: [json.loads(line) for line in open(os.path.join(r, "metrics.jsonl"))]  # noqa: E731
+    a, b = rows(full_run), rows(run)
+    assert [r["iteration"] for r in a] == [r["iteration"] for r in b] == [0, 1, 1, 2, 2, 3, 3]
+    for ra, rb in zip(a, b):
+        assert {k: v for k, v in ra.items() if "seconds" not in k} == pytest.approx(
+            {k: v for k, v in rb.items() if "seconds" not in k}, rel=1e-6, abs=1e-12)
+    assert not os.path.exists(os.path.join(run, "eval_2.json"))  # ... and does not re-evaluate iteration 2
+    assert json.load(open(os.path.join(run, "eval_3.json"))) == pytest.approx(json.load(open(os.path.join(full_run, "eval_3.json"))))
+    assert sorted(os.listdir(os.path.join(run, "samples"))) == ["eval_0.png", "eval_1.png", "eval_2.png", "eval_3.png"]
 
 
 def test_resume_matches_uninterrupted_run(tiny, tmp_path):

@@ -1,0 +1,51 @@
+"""The gradient of the PPO-clip + KL loss through common.velocity on a fixed batch of 4, on tiny Flux full fine-tuning.
+
+    python tests/dist_grad.py OUT.pt [--checkpointing] [--bf16]              # one process, the whole batch
+    torchrun --nproc_per_node 2 tests/dist_grad.py OUT.pt [...]              # FSDP2, each rank half of the batch
+
+Writes {parameter name: full gradient} (rank 0). tests/test_memory.py compares the files.
+"""
+import os
+import sys
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "toy")]
+from common import (clipped_policy_loss, make_trainable, reference_kl, sde_step, select, setup_distributed,  # noqa: E402
+                    sigma_schedule, velocity)
+from tiny import build_flux  # noqa: E402
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    rank, world, device = setup_distributed()
+    transformer = build_flux(seed=0).transformer.requires_grad_(False)
+    with torch.no_grad():  # a reference that differs from the policy, so that the KL has a gradient
+        for p in transformer.parameters():
+            p.add_(0.01 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    amp = torch.bfloat16 if "--bf16" in sys.argv else None
+    params, ref = make_trainable(transformer, "flux", 4, 8, True, True, sharded=world > 1, amp=amp,
+                                 checkpointing="--checkpointing" in sys.argv)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.mul_(0.99)
+    transformer.train()
+    g = torch.Generator().manual_seed(1)
+    n = 4
+    x, x_next = torch.randn(n, 4, 16, 16, generator=g), torch.randn(n, 4, 16, 16, generator=g)
+    emb = {"embeds": torch.randn(n, 16, 32, generator=g), "pooled": torch.randn(n, 32, generator=g)}
+    advantages, sigmas = torch.randn(n, generator=g), sigma_schedule(4, 3.0)
+    rows = torch.arange(rank * n // world, (rank + 1) * n // world)  # this rank's half (or all of it)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp is not None and world == 1):
+        v = velocity(transformer, "flux", x[rows], sigmas[1], select(emb, rows), 3.5)
+    _, log_prob, mean, std = sde_step(v, x[rows], sigmas, 1, 0.7, prev_sample=x_next[rows])
+    kl = reference_kl(ref, "flux", x[rows], sigmas, 1, select(emb, rows), 3.5, 0.7, x_next[rows], "flow_grpo", mean, std,
+                      False)
+    loss, _, _ = clipped_policy_loss(log_prob, log_prob.detach(), advantages[rows], 1e-4, kl, 0.04)
+    loss.backward()  # FSDP2 averages the ranks' gradients: the mean over the whole batch
+    grads = {name: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).float()
+             for name, p in transformer.named_parameters()}
+    if rank == 0:
+        torch.save(grads, sys.argv[1])
+    if world > 1:
+        torch.distributed.destroy_process_group()
