@@ -133,9 +133,9 @@ def ode_complete(transformer, kind: str, x, paths: list, sigmas, emb: dict, guid
                              .float() for c in torch.arange(n).split(micro_batch)])
     x = x.float().repeat(reps, *[1] * (x.ndim - 1))
     for k in range(max(map(len, paths)) - 1):
-        rows = torch.tensor([r for r, p in enumerate(paths) if len(p) > k + 1], dtype=torch.long)
-        s = sigmas[[paths[r][k] for r in rows]]
-        ds = (sigmas[[paths[r][k + 1] for r in rows]] - s).to(x.device).view(-1, *[1] * (x.ndim - 1))
+        live = [r for r, p in enumerate(paths) if len(p) > k + 1]
+        s, rows = sigmas[[paths[r][k] for r in live]], torch.tensor(live, dtype=torch.long)
+        ds = (sigmas[[paths[r][k + 1] for r in live]] - s).to(x.device).view(-1, *[1] * (x.ndim - 1))
         if k == 0:
             v = v_first[start[rows]].float()
         else:
@@ -258,10 +258,9 @@ def make_trainable(transformer, kind: str, lora_rank: int, lora_alpha: float, fu
                    sharded: bool = False, amp=None, checkpointing: bool = False):
     """LoRA adapters (peft, gaussian init) on the attention (and for Flux, MLP) projections, or full fine-tuning.
     Returns the trainable parameters (float32) and, if `reference` and fully fine-tuning, a frozen copy of the initial
-    transformer (a LoRA run's reference is the same transformer with its adapter disabled). `sharded`: FSDP2, one
-    fully_shard per block, then the root, for the policy and the reference alike; compute gathers `amp` (bf16) weights,
-    gradients are reduced in float32, and the float32 master weights are made after sharding, from the local shards
-    only. `checkpointing`: diffusers' per-block activation checkpointing."""
+    transformer (a LoRA run's reference is the same transformer with its adapter disabled). `sharded`: FSDP2 (`shard`)
+    for the policy and the reference alike; the float32 master weights are made after sharding, from the local shards
+    only, so no GPU ever holds a full float32 copy. `checkpointing`: diffusers' per-block activation checkpointing."""
     import copy
 
     ref = copy.deepcopy(transformer).requires_grad_(False) if reference and full_finetune else None
@@ -274,18 +273,24 @@ def make_trainable(transformer, kind: str, lora_rank: int, lora_alpha: float, fu
         transformer.add_adapter(LoraConfig(r=lora_rank, lora_alpha=lora_alpha, init_lora_weights="gaussian",
                                            target_modules=LORA_TARGETS[kind]))
     if sharded:
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-        policy = MixedPrecisionPolicy(param_dtype=amp, reduce_dtype=torch.float32)
         for model in [transformer] + ([ref] if ref is not None else []):
-            for block in [*model.transformer_blocks, *getattr(model, "single_transformer_blocks", [])]:
-                fully_shard(block, mp_policy=policy)
-            fully_shard(model, mp_policy=policy)
+            shard(model, amp)
         transformer.float()  # each rank's shards only
     params = [p for p in transformer.parameters() if p.requires_grad]
     for p in params if not sharded else []:
         p.data = p.data.float()
     return params, ref
+
+
+def shard(model, amp=None, mesh=None):
+    """FSDP2: one fully_shard per transformer block, then the root; forwards gather `amp` (bf16) weights, gradients are
+    reduced in float32."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=amp, reduce_dtype=torch.float32)
+    for block in [*model.transformer_blocks, *getattr(model, "single_transformer_blocks", [])]:
+        fully_shard(block, mp_policy=policy, mesh=mesh)
+    fully_shard(model, mp_policy=policy, mesh=mesh)
 
 
 @contextlib.contextmanager
@@ -476,14 +481,16 @@ def score(rewards: dict, images, prompts) -> dict:
 
 
 def load_prompt_set(path: str, split: str = "train") -> list[str]:
-    """Prompts from a text file, one per line (blank lines skipped), or 'toy': the toy world's grammar."""
+    """Prompts from a text file, one per line (blank lines skipped), a .jsonl file with a "prompt" field per line
+    (Flow-GRPO's GenEval metadata), or 'toy': the toy world's grammar."""
     if path == "toy":
         from toy.world import toy_prompts
         return toy_prompts(4096 if split == "train" else 1024, seed=0 if split == "train" else 1)
     if not os.path.isfile(path):
-        fail(f"prompt file {path!r} does not exist; pass a text file with one prompt per line")
+        fail(f"prompt file {path!r} does not exist; README 'Prompt sets' says where each paper's prompts come from "
+             f"(or pass any text file with one prompt per line)")
     with open(path, encoding="utf-8") as f:
-        prompts = [line.strip() for line in f if line.strip()]
+        prompts = [json.loads(line)["prompt"] if path.endswith(".jsonl") else line.strip() for line in f if line.strip()]
     if not prompts:
         fail(f"prompt file {path!r} is empty; it needs at least one prompt (one per line)")
     return prompts
@@ -523,7 +530,7 @@ def clipped_policy_loss(log_prob, old_log_prob, advantages, clip_range: float, k
     r, d, n = ratio.detach(), (log_prob - old_log_prob).detach(), len(ratio)
     sums = torch.stack([r.sum(), ((r - 1).abs() > clip_range).float().sum(), (0.5 * d**2).sum(), policy.detach() * n,
                         kl.detach() * n, torch.tensor(float(n), device=r.device)])
-    return policy + beta * kl, sums, (r - 1).abs().max().item()
+    return policy + beta * kl, sums, (r - 1).abs().max()
 
 
 # ======== 6. Distributed, seeding, logging, checkpoints ========
@@ -617,72 +624,67 @@ def log_metrics(writer, run_dir: str, step: int, metrics: dict, per_sample: dict
             json.dump({k: v.tolist() for k, v in per_sample.items()}, f)
 
 
-def image_grid(images, captions, ncols: int = 6):
-    """A matplotlib figure of images [B, 3, H, W] in [0, 1] with a caption under each."""
+def image_grid(images, captions, ncols: int = 6, path: str | None = None, title: str = ""):
+    """A matplotlib figure of images [B, 3, H, W] in [0, 1] with a caption under each; saved to `path` if given."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    n = len(images)
-    ncols = min(ncols, n)
-    nrows = math.ceil(n / ncols)
-    fig, axes = plt.subplots(nrows, ncols, figsize=(2.2 * ncols, 2.5 * nrows), squeeze=False)
+    ncols = min(ncols, len(images))
+    fig, axes = plt.subplots(math.ceil(len(images) / ncols), ncols, figsize=(2.2 * ncols, 2.5 * math.ceil(len(images) / ncols)),
+                             squeeze=False)
     for ax in axes.flat:
         ax.axis("off")
     for ax, img, cap in zip(axes.flat, images, captions):
         ax.imshow(img.permute(1, 2, 0).float().cpu().numpy())
         ax.set_title(cap, fontsize=7, wrap=True)
+    fig.suptitle(title, fontsize=9)
     fig.tight_layout()
+    if path:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
     return fig
 
 
 def save_eval_grid(run_dir: str, iteration: int, images, prompts: list, scores: dict, n: int = 12):
     """runs/<run>/samples/eval_<iteration>.png: the first n fixed evaluation pairs, captioned with prompt and rewards."""
-    os.makedirs(os.path.join(run_dir, "samples"), exist_ok=True)
     captions = [f"{p[:60]}\n" + " ".join(f"{k}={v[i]:.3f}" for k, v in scores.items()) for i, p in enumerate(prompts[:n])]
-    fig = image_grid(images[:n].cpu(), captions)
-    fig.suptitle(f"iteration {iteration}: ODE samples of fixed prompt / seed pairs", fontsize=9)
-    fig.savefig(os.path.join(run_dir, "samples", f"eval_{iteration}.png"), dpi=100)
-    import matplotlib.pyplot as plt
-
-    plt.close(fig)
+    image_grid(images[:n].cpu(), captions, path=os.path.join(run_dir, "samples", f"eval_{iteration}.png"),
+               title=f"iteration {iteration}: ODE samples of fixed prompt / seed pairs")
 
 
 def run_summary(run_dir: str, args, kind: str, weights: dict, seconds: float) -> str:
-    """What a run did, from its metrics.jsonl and eval_<i>.json: each evaluated reward at the first and the last
-    evaluation (the same fixed pairs) with the paired standard error of the change, the wall time and NFE, and where the
-    samples and the checkpoint are, with the lines that load it in diffusers."""
-    rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
-    trained = [r for r in rows if "perf/seconds_per_iteration" in r]
-    out = [f"\n{args.exp_name} on {args.model}: {len(trained)} iterations in {seconds / 60:.1f} min "
-           f"({sum(r['perf/seconds_per_iteration'] for r in trained) / 60:.1f} min of training), "
-           f"{sum(r['perf/nfe_per_iteration'] for r in trained):,.0f} transformer evaluations (NFE)"]
+    """What a run did (from metrics.jsonl and eval_<i>.json): every evaluated reward at the first and the last evaluation
+    of the same fixed pairs with the change's paired standard error, time and NFE, where the samples and the checkpoint
+    are, and the lines that load it in diffusers."""
+    rows = [r for r in map(json.loads, open(os.path.join(run_dir, "metrics.jsonl"))) if "perf/nfe_per_iteration" in r]
+    out = [f"\n{args.exp_name} on {args.model}: {len(rows)} iterations in {seconds / 60:.1f} min, "
+           f"{sum(r['perf/nfe_per_iteration'] for r in rows):,.0f} transformer evaluations (NFE)"]
     evals = sorted(int(f[5:-5]) for f in os.listdir(run_dir) if f.startswith("eval_") and f.endswith(".json"))
     if len(evals) > 1:
-        first, last = (json.load(open(os.path.join(run_dir, f"eval_{i}.json"))) for i in (evals[0], evals[-1]))
-        first["training reward"], last["training reward"] = ([sum(weights[k] * e[k][j] for k in weights)
-                                                               for j in range(len(e[args.rewards[0]]))] for e in (first, last))
-        out.append(f"Evaluation on {len(last['training reward'])} fixed prompt/seed pairs (ODE, {args.eval_steps} steps), "
+        e0, e1 = (json.load(open(os.path.join(run_dir, f"eval_{i}.json"))) for i in (evals[0], evals[-1]))
+        for e in (e0, e1):  # the training objective on held-out pairs
+            e["training reward"] = [sum(weights[k] * e[k][j] for k in weights) for j in range(len(e[args.rewards[0]]))]
+        out.append(f"Evaluation on {len(e1[args.rewards[0]])} fixed prompt/seed pairs (ODE, {args.eval_steps} steps), "
                    f"iteration {evals[0]} -> {evals[-1]}, change +- paired standard error:")
-        for name in ["training reward"] + [k for k in last if k != "training reward"]:
-            d = torch.tensor(last[name], dtype=torch.float64) - torch.tensor(first[name], dtype=torch.float64)
-            se = float(d.std() / math.sqrt(len(d))) if len(d) > 1 else float("nan")
-            verdict = "improved" if d.mean() > 2 * se else "got worse" if d.mean() < -2 * se else "no change beyond 2 SE"
-            out.append(f"  {name:>20}: {sum(first[name]) / len(d):.4f} -> {sum(last[name]) / len(d):.4f} "
-                       f"({d.mean():+.4f} +- {se:.4f}, {d.mean() / se if se > 0 else 0:+.1f} SE): {verdict}")
-    ckpt = latest_checkpoint(run_dir)
+        for name in ["training reward", *[k for k in e1 if k != "training reward"]]:
+            a, b = torch.tensor(e0[name], dtype=torch.float64), torch.tensor(e1[name], dtype=torch.float64)
+            d, se = float((b - a).mean()), float((b - a).std() / math.sqrt(len(a)))
+            verdict = "improved" if d > 2 * se else "got worse" if d < -2 * se else "no change beyond 2 SE"
+            out.append(f"  {name:>20}: {a.mean():.4f} -> {b.mean():.4f} ({d:+.4f} +- {se:.4f}, "
+                       f"{d / se if se > 0 else 0:+.1f} SE): {verdict}")
     out.append(f"Samples of every evaluation: {os.path.join(run_dir, 'samples')}/eval_<iteration>.png")
+    ckpt, model = latest_checkpoint(run_dir), MODEL_ALIASES.get(args.model, args.model)
     if ckpt:
-        model = MODEL_ALIASES.get(args.model, args.model)
         model = os.path.relpath(model) if os.path.abspath(model).startswith(os.getcwd() + os.sep) else model
-        pipe_cls, tr_cls = ("FluxPipeline", "FluxTransformer2DModel") if kind == "flux" else (
-            "StableDiffusion3Pipeline", "SD3Transformer2DModel")
-        load = (f"pipe = {pipe_cls}.from_pretrained({model!r}, transformer={tr_cls}.from_pretrained("
-                f"{os.path.join(ckpt, 'transformer')!r}))" if args.full_finetune else
-                f"pipe = {pipe_cls}.from_pretrained({model!r}); pipe.load_lora_weights({os.path.join(ckpt, 'lora')!r})")
+        pipe_cls, tr_cls = ("Flux", "Flux") if kind == "flux" else ("StableDiffusion3", "SD3")
+        load = (f"pipe = {pipe_cls}Pipeline.from_pretrained({model!r}, transformer={tr_cls}Transformer2DModel."
+                f"from_pretrained({os.path.join(ckpt, 'transformer')!r}))" if args.full_finetune else
+                f"pipe = {pipe_cls}Pipeline.from_pretrained({model!r}); pipe.load_lora_weights({os.path.join(ckpt, 'lora')!r})")
         out += [f"Checkpoint: {ckpt} (resume with --resume {run_dir}); in diffusers:",
-                f"  from diffusers import {pipe_cls}, {tr_cls}", f"  {load}",
+                f"  from diffusers import {pipe_cls}Pipeline, {tr_cls}Transformer2DModel", f"  {load}",
                 f"  image = pipe('a red circle on the left', height={args.resolution}, width={args.resolution}, "
                 f"num_inference_steps={args.eval_steps}, guidance_scale={args.guidance}, "
                 f"max_sequence_length={args.max_sequence_length}).images[0]"]

@@ -40,7 +40,8 @@ class Args:
     model: str = "sd3.5-medium"
     """a hub id, a local pipeline directory, or an alias: sd3.5-medium, flux-dev, toy (the embedded toy setting)"""
     mixed_precision: Literal["no", "bf16", "fp16"] = "bf16"
-    """compute dtype on CUDA: frozen weights and sharded forwards in it, autocast for the rest; the SDE math is float32"""
+    """compute dtype on CUDA: frozen weights (LoRA) and gathered shards (FSDP2) are in it; autocast only for unsharded
+    full fine-tuning; the SDE math is always float32"""
     resolution: int = 512
     """image height and width in pixels"""
     max_sequence_length: int = 128
@@ -135,7 +136,7 @@ class Args:
     # Optimisation
     full_finetune: bool = False
     """train every transformer weight (FSDP2 across ranks) instead of LoRA adapters"""
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: bool = True
     """recompute each transformer block's activations in the backward pass (diffusers' per-block checkpointing): about
     a third more training compute for a fraction of the activation memory"""
     lora_rank: int = 32
@@ -173,8 +174,8 @@ class Args:
 TOY = dict(model="toy", mixed_precision="no", resolution=32, max_sequence_length=16, guidance=3.5, prompts="toy",
            eval_prompts="toy", rewards=("toy_color_position", "toy_shape_count"), eval_rewards=("toy_strict",),
            reward_combine="advantages", num_steps=16, eval_steps=16, group_size=12, micro_batch=48,
-           full_finetune=True, ema=False, num_iterations=60, eval_every=20, eval_num=256, save_every=20,
-           log_images_every=20,
+           full_finetune=True, gradient_checkpointing=False, ema=False, num_iterations=60, eval_every=20, eval_num=256,
+           save_every=20, log_images_every=20,
            learning_rate=1e-4, noise_level=0.5, prompts_per_iteration=8, timestep_fraction=0.5, global_std=False, beta=0.04,
            updates_per_iteration=1)
 
@@ -240,6 +241,15 @@ def calibrate_step(psi: list, delta_r, eps1: float, eps2: float, psi_range, grou
     return torch.where((delta_r == 0).all(0), torch.tensor(psi, dtype=torch.float64), new.clamp(*psi_range)).tolist()
 
 
+def planned_nfe(args) -> dict:
+    """Transformer evaluations per prompt and iteration (a CFG pair counts once): the rollout, the training forwards and
+    the reference model's (KL); tested against the measured perf/nfe_*, an upper bound where zero advantages skip some."""
+    T, n = args.num_steps, args.dense_ode_steps or args.num_steps
+    m = min(int(T * args.timestep_fraction), T - (args.timestep_selection == "random"))
+    return {"rollout": args.group_size * (T + sum(min(n, T - i) - 1 for i in range(T))), "train": m * args.group_size,
+            "reference": m * args.group_size * (args.beta > 0)}
+
+
 if __name__ == "__main__":
     args = tyro.cli(Args)
     if args.model == "toy":
@@ -259,6 +269,7 @@ if __name__ == "__main__":
     seed_everything(args.seed, args.torch_deterministic)
 
     # TRY NOT TO MODIFY: model, rewards, prompts, optimizer
+    train_prompts, eval_prompts = load_prompt_set(args.prompts, "train"), load_prompt_set(args.eval_prompts, "test")
     amp = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.mixed_precision) if device.type == "cuda" else None
     pipe, kind = load_pipeline(args.model, device, amp or torch.float32)
     transformer = pipe.transformer
@@ -267,7 +278,6 @@ if __name__ == "__main__":
     reward_fns = load_rewards(dict.fromkeys(args.rewards + args.eval_rewards), device, args.hps_checkpoint,
                               args.clip_model, args.pickscore_model, args.pickscore_processor, dtype=amp or torch.float32)
     eval_fns, reward_fns = reward_fns, {k: reward_fns[k] for k in args.rewards}
-    train_prompts, eval_prompts = load_prompt_set(args.prompts, "train"), load_prompt_set(args.eval_prompts, "test")
     sharded = args.full_finetune and world > 1  # FSDP2 across ranks; LoRA runs average gradients (DDP style)
     params, ref_model = make_trainable(transformer, kind, args.lora_rank, args.lora_alpha, args.full_finetune, args.beta > 0,
                                     sharded, amp, args.gradient_checkpointing)
@@ -275,7 +285,8 @@ if __name__ == "__main__":
     optimizer = torch.optim.AdamW(params, lr=args.learning_rate, betas=(0.9, 0.999), weight_decay=args.weight_decay,
                                   eps=1e-8)
     ema = [p.detach().float().clone() for p in params] if args.ema else None
-    autocast = lambda: torch.autocast(device.type, dtype=amp, enabled=amp is not None, cache_enabled=False)  # noqa: E731
+    unsharded_fp32 = amp is not None and args.full_finetune and not sharded  # bf16 compute needs autocast only then
+    autocast = lambda: torch.autocast(device.type, dtype=amp, enabled=unsharded_fp32, cache_enabled=False)  # noqa: E731
     start, ema = load_state(ckpt, transformer, optimizer, params, names, sharded, device, args.ema) if ckpt else (0, ema)
     sigmas = sigma_schedule(args.num_steps, args.shift, pipe if args.schedule == "pipeline" else None, kind, H * W // 4)
     eval_sigmas = sigma_schedule(args.eval_steps, args.shift, pipe, kind, H * W // 4)  # evaluation: as the pipeline samples
@@ -284,18 +295,18 @@ if __name__ == "__main__":
     psi = [args.noise_level] * T if args.psi is None else load_psi(args.psi, T)  # psi(t) replaces Flow-GRPO's a
     history = []  # psi after each calibration iteration
     paths = [spaced_indices(i, T, args.dense_ode_steps or T) for i in range(T)]  # ODE_n(x_i): min(n, T - i) steps
-    nfe_min = G * (T + sum(len(p) - 2 for p in paths))  # per prompt: the sampler, then completions reusing v(x_i)
+    nfe_min = planned_nfe(args)["rollout"]  # per prompt, the closed form (measured: perf/nfe_rollout_per_prompt)
 
     def evaluate(iteration):
         """ODE samples (noise 0) with eval_steps on fixed held-out prompt/seed pairs, scored by every reward."""
         pairs = list(range(rank, args.eval_num, world))
         prompts = [eval_prompts[k % len(eval_prompts)] for k in pairs]
         noise = torch.stack([torch.randn(C, H, W, generator=torch.Generator().manual_seed(10**6 + k)) for k in pairs])
+        emb = encode_prompts(pipe, kind, prompts, args.max_sequence_length, args.guidance)  # before gathering weights
         with swapped_in(params, ema), autocast(), gathered(transformer, sharded):
-            emb = encode_prompts(pipe, kind, prompts, args.max_sequence_length, args.guidance)
             x0 = ode_complete(transformer, kind, noise.to(device), [list(range(args.eval_steps + 1))] * len(noise),
                               eval_sigmas, emb, args.guidance, args.micro_batch)
-            images = torch.cat([decode(pipe, z) for z in x0.split(args.micro_batch)])
+        images = torch.cat([decode(pipe, z) for z in x0.split(args.micro_batch)])
         local = score(eval_fns, images, prompts)
         scores = {k: gather_cat(v.to(device)).cpu() for k, v in local.items()}
         log_metrics(writer, run_dir, iteration, {f"eval/{k}": v.mean() for k, v in scores.items()}, per_sample=scores)
@@ -319,8 +330,8 @@ if __name__ == "__main__":
         x = torch.randn(P, 1 if args.same_init_noise else G, C, H, W, generator=gen).expand(P, G, C, H, W)
         latents, old_log_probs, velocities = [x.reshape(P * G, C, H, W).to(device)], [], []
         chunks = torch.arange(P * G).split(args.micro_batch)
+        emb = encode_prompts(pipe, kind, prompts, args.max_sequence_length, args.guidance)  # before gathering weights
         with torch.no_grad(), autocast(), gathered(transformer, sharded):  # weights gathered once for the rollout
-            emb = encode_prompts(pipe, kind, prompts, args.max_sequence_length, args.guidance)
             for i in range(T):
                 v = torch.cat([velocity(transformer, kind, latents[i][c], sigmas[i], select(emb, group[c]), args.guidance)
                                for c in chunks])
@@ -371,7 +382,7 @@ if __name__ == "__main__":
                                                       args.beta)
                 (loss * len(c) / n_terms).backward()
                 stats += sums
-                first_dev = max(first_dev, dev) if u == 0 else first_dev
+                first_dev = max(first_dev, float(dev)) if u == 0 else first_dev
             grad_norms.append(optimizer_step(params, optimizer, args.max_grad_norm, sharded))
             n_updates = iteration * args.updates_per_iteration + u + 1  # optimizer steps so far
             if ema is not None and (n_updates + 1) % args.ema_every == 0:  # as Flow-GRPO: after steps 7, 15, ...
@@ -388,7 +399,8 @@ if __name__ == "__main__":
                         "train/kl": stats[4] / n, "train/grad_norm": sum(grad_norms) / max(len(grad_norms), 1),
                         "train/updates": len(grad_norms),
                         "train/first_ratio_max_dev": first_dev, "perf/nfe_rollout_per_prompt": nfe_rollout / P,
-                        "perf/nfe_min_per_prompt": nfe_min, **{f"psi/step_{i}": p for i, p in enumerate(psi)},
+                        "perf/nfe_min_per_prompt": nfe_min,
+                        **{f"psi/step_{i}": p for i, p in enumerate(psi)},
                         "perf/nfe_per_iteration": (NFE["count"] - nfe_start) * world,
                         "perf/rollout_seconds": t_rollout, "perf/seconds_per_iteration": time.time() - t_start})
         log_metrics(writer, run_dir, iteration + 1, metrics)

@@ -39,7 +39,8 @@ class Args:
     model: str = "flux-dev"
     """a hub id, a local pipeline directory, or an alias: sd3.5-medium, flux-dev, toy (the embedded toy setting)"""
     mixed_precision: Literal["no", "bf16", "fp16"] = "bf16"
-    """compute dtype on CUDA: frozen weights and sharded forwards in it, autocast for the rest; the SDE math is float32"""
+    """compute dtype on CUDA: frozen weights (LoRA) and gathered shards (FSDP2) are in it; autocast only for unsharded
+    full fine-tuning; the SDE math is always float32"""
     resolution: int = 720
     """image height and width in pixels"""
     max_sequence_length: int = 512
@@ -123,7 +124,7 @@ class Args:
     """gradient-norm clip"""
     updates_per_iteration: int | None = None
     """optimizer steps per iteration: the iteration's training terms split into this many mini-batches (the first is
-    on-policy); default: one per trained k, as G2RPO's code"""
+    on-policy)"""
     ema: bool = False
     """keep an EMA of the trainable weights for evaluation and the exported weights"""
     ema_decay: float = 0.9
@@ -146,8 +147,8 @@ class Args:
 TOY = dict(model="toy", mixed_precision="no", resolution=32, max_sequence_length=16, guidance=3.5, prompts="toy",
            eval_prompts="toy", rewards=("toy_color_position", "toy_shape_count"), eval_rewards=("toy_strict",),
            reward_combine="advantages", num_steps=16, eval_steps=16, group_size=12, micro_batch=48,
-           full_finetune=True, ema=False, num_iterations=60, eval_every=20, eval_num=256, save_every=20,
-           log_images_every=20,
+           full_finetune=True, gradient_checkpointing=False, ema=False, num_iterations=60, eval_every=20, eval_num=256,
+           save_every=20, log_images_every=20,
            learning_rate=1.25e-5, noise_level=0.5, prompts_per_iteration=4)  # 8 optimizer steps per iteration: 1e-4 / 8
 
 
@@ -172,9 +173,18 @@ def check_args(args, world: int):
             fail(f"{flag} {list(values)} is not allowed; give distinct values in {low}..{args.num_steps - 1}"
                  + (" (a repeated stride only duplicates identical advantages)" if flag == "--lambdas" else ""))
     most = len(args.sde_steps)  # one per trained k
-    args.updates_per_iteration = args.updates_per_iteration or most
+    args.updates_per_iteration = args.updates_per_iteration or most  # default: one per k, as G2RPO's code
     if not 1 <= args.updates_per_iteration <= most:
         fail(f"--updates-per-iteration {args.updates_per_iteration} is not allowed; use 1..{most} (mini-batches per iteration)")
+
+
+def planned_nfe(args) -> dict:
+    """Transformer evaluations per prompt and iteration (a CFG pair counts once): the rollout, the training forwards and
+    the reference model's (KL); tested against the measured perf/nfe_*, an upper bound where zero advantages skip some."""
+    M, T = sorted(args.sde_steps), args.num_steps
+    return {"rollout": max(M) + 1 + args.group_size * sum((k + 1 < T) * (1 + sum(-(-(T - k - 1) // lam) - 1 for lam in
+                                                                                 args.lambdas)) for k in M),
+            "train": len(M), "reference": 0}
 
 
 if __name__ == "__main__":
@@ -196,6 +206,7 @@ if __name__ == "__main__":
     seed_everything(args.seed, args.torch_deterministic)
 
     # TRY NOT TO MODIFY: model, rewards, prompts, optimizer
+    train_prompts, eval_prompts = load_prompt_set(args.prompts, "train"), load_prompt_set(args.eval_prompts, "test")
     amp = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.mixed_precision) if device.type == "cuda" else None
     pipe, kind = load_pipeline(args.model, device, amp or torch.float32)
     transformer = pipe.transformer
@@ -204,7 +215,6 @@ if __name__ == "__main__":
     reward_fns = load_rewards(dict.fromkeys(args.rewards + args.eval_rewards), device, args.hps_checkpoint,
                               args.clip_model, args.pickscore_model, args.pickscore_processor, dtype=amp or torch.float32)
     eval_fns, reward_fns = reward_fns, {k: reward_fns[k] for k in args.rewards}
-    train_prompts, eval_prompts = load_prompt_set(args.prompts, "train"), load_prompt_set(args.eval_prompts, "test")
     sharded = args.full_finetune and world > 1  # FSDP2 across ranks; LoRA runs average gradients (DDP style)
     params, _ = make_trainable(transformer, kind, args.lora_rank, args.lora_alpha, args.full_finetune, False,
                                     sharded, amp, args.gradient_checkpointing)
@@ -212,24 +222,25 @@ if __name__ == "__main__":
     optimizer = torch.optim.AdamW(params, lr=args.learning_rate, betas=(0.9, 0.999), weight_decay=args.weight_decay,
                                   eps=1e-8)
     ema = [p.detach().float().clone() for p in params] if args.ema else None
-    autocast = lambda: torch.autocast(device.type, dtype=amp, enabled=amp is not None, cache_enabled=False)  # noqa: E731
+    unsharded_fp32 = amp is not None and args.full_finetune and not sharded  # bf16 compute needs autocast only then
+    autocast = lambda: torch.autocast(device.type, dtype=amp, enabled=unsharded_fp32, cache_enabled=False)  # noqa: E731
     start, ema = load_state(ckpt, transformer, optimizer, params, names, sharded, device, args.ema) if ckpt else (0, ema)
     sigmas = sigma_schedule(args.num_steps, args.shift, pipe if args.schedule == "pipeline" else None, kind, H * W // 4)
     eval_sigmas = sigma_schedule(args.eval_steps, args.shift, pipe, kind, H * W // 4)  # evaluation: as the pipeline samples
     P, G, T = args.prompts_per_iteration // world, args.group_size, args.num_steps
     M, L = sorted(args.sde_steps), len(args.lambdas)
-    nfe_min = max(M) + 1 + G * sum((k + 1 < T) * (1 + sum(-(-(T - k - 1) // lam) - 1 for lam in args.lambdas)) for k in M)
+    nfe_min = planned_nfe(args)["rollout"]  # per prompt, the closed form (measured: perf/nfe_rollout_per_prompt)
 
     def evaluate(iteration):
         """ODE samples (noise 0) with eval_steps on fixed held-out prompt/seed pairs, scored by every reward."""
         pairs = list(range(rank, args.eval_num, world))
         prompts = [eval_prompts[k % len(eval_prompts)] for k in pairs]
         noise = torch.stack([torch.randn(C, H, W, generator=torch.Generator().manual_seed(10**6 + k)) for k in pairs])
+        emb = encode_prompts(pipe, kind, prompts, args.max_sequence_length, args.guidance)  # before gathering weights
         with swapped_in(params, ema), autocast(), gathered(transformer, sharded):
-            emb = encode_prompts(pipe, kind, prompts, args.max_sequence_length, args.guidance)
             x0 = ode_complete(transformer, kind, noise.to(device), [list(range(args.eval_steps + 1))] * len(noise),
                               eval_sigmas, emb, args.guidance, args.micro_batch)
-            images = torch.cat([decode(pipe, z) for z in x0.split(args.micro_batch)])
+        images = torch.cat([decode(pipe, z) for z in x0.split(args.micro_batch)])
         local = score(eval_fns, images, prompts)
         scores = {k: gather_cat(v.to(device)).cpu() for k, v in local.items()}
         log_metrics(writer, run_dir, iteration, {f"eval/{k}": v.mean() for k, v in scores.items()}, per_sample=scores)
@@ -251,8 +262,8 @@ if __name__ == "__main__":
         anchors, post, old_log_probs, per_k = {}, {}, {}, {}
         chunks = torch.arange(P).split(args.micro_batch)  # prompts per forward at the anchors (sampling and training)
         members = [torch.arange(c[0] * G, (c[-1] + 1) * G) for c in chunks]  # the group members of each chunk
+        emb = encode_prompts(pipe, kind, prompts, args.max_sequence_length, args.guidance)  # before gathering weights
         with torch.no_grad(), autocast(), gathered(transformer, sharded):  # weights gathered once for the rollout
-            emb = encode_prompts(pipe, kind, prompts, args.max_sequence_length, args.guidance)
             for k in range(max(M) + 1):  # the anchor trajectory x_T -> x_k, keeping x_k and v(x_k) for k in M
                 v = torch.cat([velocity(transformer, kind, x[c], sigmas[k], select(emb, c), args.guidance) for c in chunks])
                 anchors[k] = (x, v)
@@ -293,7 +304,7 @@ if __name__ == "__main__":
                 loss, sums, dev = clipped_policy_loss(log_prob, old_log_probs[k][m], advantages[k][m], args.clip_range)
                 (loss * len(m) / n_terms).backward()
                 stats += sums
-                first_dev = max(first_dev, dev) if u == 0 else first_dev
+                first_dev = max(first_dev, float(dev)) if u == 0 else first_dev
             grad_norms.append(optimizer_step(params, optimizer, args.max_grad_norm, sharded))
             n_updates = iteration * args.updates_per_iteration + u + 1  # optimizer steps so far
             if ema is not None and (n_updates + 1) % args.ema_every == 0:  # as Flow-GRPO: after steps 7, 15, ...

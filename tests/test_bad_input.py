@@ -19,6 +19,21 @@ def test_argument_checks(over, message):
         check_args(flow_grpo, **over)
 
 
+def test_updates_per_iteration_needs_as_many_micro_batches():
+    # 48 prompts over 8 ranks x 24 images = 144 per rank in micro-batches of 12: at most 12 optimizer steps
+    with pytest.raises(SystemExit, match=r"--updates-per-iteration 13 is not allowed; use 1..12 \(mini-batches per iteration\)"):
+        check_args(flow_grpo, world=8, updates_per_iteration=13)
+
+
+def test_paper_commands_fail_at_once_without_the_prompt_files(tmp_path):
+    """The README's paper command lines, on a machine without the data: a one-line error pointing at 'Prompt sets'."""
+    paths = tiny_model_dirs(str(tmp_path))
+    out = run_script("flow_grpo.py", ["--model", paths["flux"], "--output-dir", str(tmp_path / "o")], check=False)
+    assert out.returncode != 0 and out.stderr.strip().splitlines()[-1] == (
+        "error: prompt file 'data/pickscore/train.txt' does not exist; README 'Prompt sets' says where each paper's "
+        "prompts come from (or pass any text file with one prompt per line)")
+
+
 def test_world_size_must_divide_prompts():
     with pytest.raises(SystemExit, match="--prompts-per-iteration 48 is not a positive multiple of the world size 5"):
         check_args(flow_grpo, world=5)
@@ -35,8 +50,10 @@ def test_missing_model_path(tmp_path):
 
 
 def test_prompt_files(tmp_path):
-    with pytest.raises(SystemExit, match=f"prompt file '{tmp_path}/missing.txt' does not exist"):
+    with pytest.raises(SystemExit, match=f"prompt file '{tmp_path}/missing.txt' does not exist; README 'Prompt sets' says"):
         load_prompt_set(str(tmp_path / "missing.txt"))
+    (tmp_path / "geneval.jsonl").write_text('{"tag": "counting", "prompt": "a photo of two cats"}\n{"prompt": "a dog"}\n')
+    assert load_prompt_set(str(tmp_path / "geneval.jsonl")) == ["a photo of two cats", "a dog"]
     (tmp_path / "empty.txt").write_text("\n  \n")
     with pytest.raises(SystemExit, match=f"prompt file '{tmp_path}/empty.txt' is empty"):
         load_prompt_set(str(tmp_path / "empty.txt"))

@@ -58,7 +58,7 @@ def rel_diff(a, b):
 def grads(tmp_path, name, nproc, *flags):
     out = str(tmp_path / f"{name}.pt")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    launch = [sys.executable] + (["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc > 1 else [])
+    launch = [sys.executable] + (["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] * (nproc > 1))
     proc = subprocess.run(launch + [os.path.join(ROOT, "tests", "dist_grad.py"), out, *flags], capture_output=True, text=True,
                           env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
