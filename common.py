@@ -196,6 +196,9 @@ def encode_prompts(pipe, kind: str, prompts: list[str], max_sequence_length: int
     for m in encoders:
         m.to(device)
     try:
+        if len(prompts) > 16 and device.type == "cuda":  # an evaluation's prompts: 16 at a time through T5
+            parts = [encode_prompts(pipe, kind, prompts[i:i + 16], max_sequence_length, cfg) for i in range(0, len(prompts), 16)]
+            return {k: torch.cat([part[k] for part in parts]) for k in parts[0]}
         if kind == "flux":
             embeds, pooled, _ = pipe.encode_prompt(prompts, prompt_2=None, device=device,
                                                    max_sequence_length=max_sequence_length)
@@ -327,6 +330,8 @@ def reference_kl(ref, kind: str, x, sigmas, i: int, emb: dict, guidance: float, 
     divided by 2 std_dev_t^2 (Flow-GRPO's code: std_dev_t = std / sqrt(-dt), without the step's sqrt(-dt)) or, if
     `exact`, by 2 std^2 (the Gaussian KL of the papers' formula: the official value divided by |dt|). The reference
     is the same transformer with its LoRA adapter off (`lora`) or a frozen copy."""
+    if std == 0:
+        fail(f"--beta > 0 needs noise at every trained step (the KL divides by its variance); step {i} has none")
     with torch.no_grad(), adapters_disabled(ref, lora):
         v_ref = velocity(ref, kind, x, sigmas[i], emb, guidance)
     mean_ref = sde_step(v_ref, x, sigmas, i, noise_level, prev_sample=prev_sample, form=form)[2]
@@ -542,7 +547,9 @@ def setup_distributed():
     if world > 1 and not dist.is_initialized():
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        import datetime  # a 12B-parameter checkpoint can take minutes to write while other ranks wait
+
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(hours=1))
     return (dist.get_rank() if world > 1 else 0), world, device
 
 
@@ -590,12 +597,11 @@ def make_writer(run_dir: str, args, track: bool = False, project: str = "flow-rl
         return None
     from torch.utils.tensorboard import SummaryWriter
 
-    done = int(os.path.basename(resume.rstrip("/"))[5:]) if resume else None
+    done = int(os.path.basename(resume)[5:]) if resume else None  # latest_checkpoint: always .../iter_<N>
     if done is not None and os.path.isfile(os.path.join(run_dir, "metrics.jsonl")):
-        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-            rows = [line for line in f if json.loads(line)["iteration"] <= done]
+        rows = [r for r in read_jsonl(os.path.join(run_dir, "metrics.jsonl")) if r["iteration"] <= done]
         with open(os.path.join(run_dir, "metrics.jsonl"), "w") as f:
-            f.writelines(rows)
+            f.writelines(json.dumps(r) + "\n" for r in rows)
         for d, name in [(d, n) for d in (run_dir, os.path.join(run_dir, "samples")) if os.path.isdir(d) for n in os.listdir(d)]:
             if name.startswith("eval_") and name.split(".")[0][5:].isdigit() and int(name.split(".")[0][5:]) > done:
                 os.remove(os.path.join(d, name))
@@ -608,6 +614,15 @@ def make_writer(run_dir: str, args, track: bool = False, project: str = "flow-rl
     writer = SummaryWriter(run_dir, purge_step=None if done is None else done + 1)
     writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
     return writer
+
+
+def read_jsonl(path: str) -> list[dict]:
+    """The rows of a JSON-lines file, without a last line that a killed process left half written."""
+    rows = []
+    for line in open(path):
+        with contextlib.suppress(json.JSONDecodeError):
+            rows.append(json.loads(line))
+    return rows
 
 
 def log_metrics(writer, run_dir: str, step: int, metrics: dict, per_sample: dict | None = None):
@@ -659,12 +674,12 @@ def run_summary(run_dir: str, args, kind: str, weights: dict, seconds: float) ->
     """What a run did (from metrics.jsonl and eval_<i>.json): every evaluated reward at the first and the last evaluation
     of the same fixed pairs with the change's paired standard error, time and NFE, where the samples and the checkpoint
     are, and the lines that load it in diffusers."""
-    rows = [r for r in map(json.loads, open(os.path.join(run_dir, "metrics.jsonl"))) if "perf/nfe_per_iteration" in r]
+    rows = [r for r in read_jsonl(os.path.join(run_dir, "metrics.jsonl")) if "perf/nfe_per_iteration" in r]
     out = [f"\n{args.exp_name} on {args.model}: {len(rows)} iterations in {seconds / 60:.1f} min, "
            f"{sum(r['perf/nfe_per_iteration'] for r in rows):,.0f} transformer evaluations (NFE)"]
     evals = sorted(int(f[5:-5]) for f in os.listdir(run_dir) if f.startswith("eval_") and f.endswith(".json"))
-    if len(evals) > 1:
-        e0, e1 = (json.load(open(os.path.join(run_dir, f"eval_{i}.json"))) for i in (evals[0], evals[-1]))
+    e0, e1 = (json.load(open(os.path.join(run_dir, f"eval_{i}.json"))) for i in (evals[:1] + evals[-1:])) if evals else ({}, {})
+    if len(evals) > 1 and e0.keys() == e1.keys() and len(e0[args.rewards[0]]) == len(e1[args.rewards[0]]):
         for e in (e0, e1):  # the training objective on held-out pairs
             e["training reward"] = [sum(weights[k] * e[k][j] for k in weights) for j in range(len(e[args.rewards[0]]))]
         out.append(f"Evaluation on {len(e1[args.rewards[0]])} fixed prompt/seed pairs (ODE, {args.eval_steps} steps), "
@@ -720,7 +735,8 @@ def _barrier():
         dist.barrier()
 
 
-def save_state(path: str, iteration: int, transformer, optimizer, params, names, ema, args, pipe, sharded: bool):
+def save_state(path: str, iteration: int, transformer, optimizer, params, names, ema, args, pipe, sharded: bool,
+               keep: int = 0):
     """Atomic checkpoint at `path` (written to path.tmp, published with one rename): state.pt (iteration, args; for an
     unsharded run also the trainable weights, optimizer and EMA), dcp/ (a sharded run: each rank writes its own shards
     of the weights and optimizer with torch.distributed.checkpoint, nothing is gathered), and the exported weights:
@@ -774,12 +790,17 @@ def save_state(path: str, iteration: int, transformer, optimizer, params, names,
     if rank == 0:
         shutil.rmtree(path, ignore_errors=True)
         os.replace(tmp, path)
+        old = sorted((d for d in os.listdir(os.path.dirname(path)) if d[5:].isdigit()), key=lambda d: int(d[5:]))
+        for d in old[:-keep] if keep else []:  # a sharded FLUX.1-dev checkpoint is ~190 GB
+            shutil.rmtree(os.path.join(os.path.dirname(path), d))
     _barrier()
 
 
 def load_state(path: str, transformer, optimizer, params, names, sharded: bool, device, with_ema: bool):
     """Restore what save_state wrote (same world size for a sharded run). Returns (iteration, ema or None)."""
     state = load_safely(os.path.join(path, "state.pt"))
+    if with_ema and not state.get("ema"):
+        fail(f"--ema: the checkpoint {path!r} was saved without an EMA; resume with --no-ema")
     if sharded:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -797,8 +818,12 @@ def load_state(path: str, transformer, optimizer, params, names, sharded: bool, 
 
 
 def latest_checkpoint(path: str):
-    """The newest complete checkpoint under a run directory (or `path` itself if it is one), or None."""
+    """The newest complete checkpoint <run>/checkpoints/iter_<N> under a run directory (or `path` itself if it is
+    one), or None."""
+    path = os.path.normpath(path)
     if os.path.isfile(os.path.join(path, "state.pt")):
+        if not (os.path.basename(path)[5:].isdigit() and os.path.basename(os.path.dirname(path)) == "checkpoints"):
+            fail(f"--resume {path!r} is not a run's checkpoints/iter_<N>; pass the run directory")
         return path
     root = os.path.join(path, "checkpoints")
     done = [d for d in os.listdir(root) if d.startswith("iter_") and not d.endswith(".tmp")] if os.path.isdir(root) else []

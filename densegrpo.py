@@ -39,7 +39,7 @@ class Args:
     # Model
     model: str = "sd3.5-medium"
     """a hub id, a local pipeline directory, or an alias: sd3.5-medium, flux-dev, toy (the embedded toy setting)"""
-    mixed_precision: Literal["no", "bf16", "fp16"] = "bf16"
+    mixed_precision: Literal["no", "bf16"] = "bf16"
     """compute dtype on CUDA: frozen weights (LoRA) and gathered shards (FSDP2) are in it; autocast only for unsharded
     full fine-tuning; the SDE math is always float32"""
     resolution: int = 512
@@ -166,6 +166,8 @@ class Args:
     """held-out prompt/seed pairs per evaluation"""
     save_every: int = 30
     """checkpoint every N iterations and at the end (0: only at the end)"""
+    keep_checkpoints: int = 3
+    """keep the newest N checkpoints (0: all); a sharded FLUX.1-dev checkpoint with its optimizer is ~190 GB"""
     log_images_every: int = 10
     """log a grid of one group's images every N iterations"""
 
@@ -191,8 +193,10 @@ def check_args(args, world: int):
         fail(f"--prompts-per-iteration {args.prompts_per_iteration} is not a positive multiple of the world size {world}")
     if args.reward_weights and len(args.reward_weights) != len(args.rewards):
         fail(f"--reward-weights has {len(args.reward_weights)} values for {len(args.rewards)} rewards; give one per reward")
-    if args.eval_every and args.eval_num % world:
-        fail(f"--eval-num {args.eval_num} is not a multiple of the world size {world}")
+    if args.eval_every and (args.eval_num < world or args.eval_num % world):
+        fail(f"--eval-num {args.eval_num} is not a positive multiple of the world size {world}")
+    if args.ema_every < 1 or args.keep_checkpoints < 0:
+        fail(f"--ema-every {args.ema_every} / --keep-checkpoints {args.keep_checkpoints}: use >= 1 / >= 0")
     if args.ema and args.full_finetune and world > 1:
         fail("--ema is not supported with sharded full fine-tuning (world size > 1); pass --no-ema")
     # algorithm specific
@@ -230,15 +234,17 @@ def dense_rewards(latent_rewards, baseline: bool = False):
     return r[1:] if baseline else r[1:] - r[:-1]
 
 
-def calibrate_step(psi: list, delta_r, eps1: float, eps2: float, psi_range, group_size: int = 0) -> list[float]:
+def calibrate_step(psi: list, delta_r, eps1: float, eps2: float, psi_range, group_size: int = 0, active=None) -> list[float]:
     """Algorithm 1, one iteration: for each step t, psi(t) += eps2 if the imbalance |#(Delta R_t > 0) - #(Delta R_t < 0)|
     is < eps1 (balanced outcomes: explore more), else psi(t) -= eps2; then clamp. delta_r: [N trajectories, T steps],
     groups of `group_size` consecutive rows. group_size > 0: the signed count within each group, averaged over the
-    groups; 0: pooled over all N. A step whose Delta R are all 0 (no noise there) is left alone."""
+    groups (= the pooled count divided by the number of groups); 0: pooled over all N. Steps not `active` (taken
+    without noise) are left alone."""
     sign = (delta_r > 0).double() - (delta_r < 0).double()
     imbalance = (sign.view(-1, group_size, sign.shape[1]).sum(1).mean(0) if group_size else sign.sum(0)).abs()
     new = torch.tensor(psi, dtype=torch.float64) + eps2 * (2 * (imbalance < eps1).double() - 1)
-    return torch.where((delta_r == 0).all(0), torch.tensor(psi, dtype=torch.float64), new.clamp(*psi_range)).tolist()
+    keep = ~torch.tensor(active, dtype=torch.bool) if active is not None else torch.zeros(len(psi), dtype=torch.bool)
+    return torch.where(keep, torch.tensor(psi, dtype=torch.float64), new.clamp(*psi_range)).tolist()
 
 
 def planned_nfe(args) -> dict:
@@ -360,7 +366,7 @@ if __name__ == "__main__":
         if args.calibrate:  # Algorithm 1 on the weighted dense reward of every trajectory of every rank
             delta_r = gather_cat(sum(weights[k] * dense_rewards(v) for k, v in latent_rewards.items()).T.contiguous().to(device))
             psi = calibrate_step(psi, delta_r.cpu(), args.eps1, args.eps2, args.psi_range,
-                                 G if args.calibration_rule == "group" else 0)
+                                 G if args.calibration_rule == "group" else 0, [x > 0 for x in a])
 
         # ALGO LOGIC: policy update (PPO-clipped ratio of per-step log-probs, optional KL to the reference)
         stats, first_dev, grad_norms = torch.zeros(6, device=device), 0.0, []
@@ -417,9 +423,9 @@ if __name__ == "__main__":
                 history.append(psi)
                 json.dump({"psi": psi, "num_steps": T, "iteration": iteration + 1, "history": history, "args": vars(args)}, f,
                           indent=1)
-        elif (args.save_every and (iteration + 1) % args.save_every == 0) or last:
+        if not args.calibrate and ((args.save_every and (iteration + 1) % args.save_every == 0) or last):
             save_state(os.path.join(run_dir, "checkpoints", f"iter_{iteration + 1}"), iteration + 1, transformer, optimizer,
-                       params, names, ema, args, pipe, sharded)
+                       params, names, ema, args, pipe, sharded, args.keep_checkpoints)
     if writer is not None:
         writer.close()
         print(run_summary(run_dir, args, kind, weights, time.time() - t0))

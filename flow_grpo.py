@@ -38,7 +38,7 @@ class Args:
     # Model
     model: str = "sd3.5-medium"
     """a hub id, a local pipeline directory, or an alias: sd3.5-medium, flux-dev, toy (the embedded toy setting)"""
-    mixed_precision: Literal["no", "bf16", "fp16"] = "bf16"
+    mixed_precision: Literal["no", "bf16"] = "bf16"
     """compute dtype on CUDA: frozen weights (LoRA) and gathered shards (FSDP2) are in it; autocast only for unsharded
     full fine-tuning; the SDE math is always float32"""
     resolution: int = 512
@@ -146,6 +146,8 @@ class Args:
     """held-out prompt/seed pairs per evaluation"""
     save_every: int = 30
     """checkpoint every N iterations and at the end (0: only at the end)"""
+    keep_checkpoints: int = 3
+    """keep the newest N checkpoints (0: all); a sharded FLUX.1-dev checkpoint with its optimizer is ~190 GB"""
     log_images_every: int = 10
     """log a grid of one group's images every N iterations"""
 
@@ -171,8 +173,10 @@ def check_args(args, world: int):
         fail(f"--prompts-per-iteration {args.prompts_per_iteration} is not a positive multiple of the world size {world}")
     if args.reward_weights and len(args.reward_weights) != len(args.rewards):
         fail(f"--reward-weights has {len(args.reward_weights)} values for {len(args.rewards)} rewards; give one per reward")
-    if args.eval_every and args.eval_num % world:
-        fail(f"--eval-num {args.eval_num} is not a multiple of the world size {world}")
+    if args.eval_every and (args.eval_num < world or args.eval_num % world):
+        fail(f"--eval-num {args.eval_num} is not a positive multiple of the world size {world}")
+    if args.ema_every < 1 or args.keep_checkpoints < 0:
+        fail(f"--ema-every {args.ema_every} / --keep-checkpoints {args.keep_checkpoints}: use >= 1 / >= 0")
     if args.ema and args.full_finetune and world > 1:
         fail("--ema is not supported with sharded full fine-tuning (world size > 1); pass --no-ema")
     # algorithm specific
@@ -338,7 +342,7 @@ if __name__ == "__main__":
             headline = evaluate(iteration + 1)
         if (args.save_every and (iteration + 1) % args.save_every == 0) or last:
             save_state(os.path.join(run_dir, "checkpoints", f"iter_{iteration + 1}"), iteration + 1, transformer, optimizer,
-                       params, names, ema, args, pipe, sharded)
+                       params, names, ema, args, pipe, sharded, args.keep_checkpoints)
     if writer is not None:
         writer.close()
         print(run_summary(run_dir, args, kind, weights, time.time() - t0))

@@ -276,7 +276,7 @@ def estimate(name, script, argv, world, tiny=False, undo=(), phases=None):
                 out.setdefault("flops", {})[label] = flops.get_total_flops()
 
         # -------- encoding: the text encoders visit the GPU for the iteration's prompts (and CFG's negatives)
-        ids = torch.zeros(P * (2 if cfg else 1), args.max_sequence_length, dtype=torch.long)
+        ids = torch.zeros(min(16, P) * (2 if cfg else 1), args.max_sequence_length, dtype=torch.long)  # 16 at a time
 
         def encode():
             with torch.no_grad():
@@ -285,13 +285,19 @@ def estimate(name, script, argv, world, tiny=False, undo=(), phases=None):
         phase("encode", encode, *texts)
 
         # -------- rollout: what the file keeps for the whole iteration, then one of each kind of call
-        stored = T + 1 if script != "g2rpo" else 2 * (max(args.sde_steps) + 1)
-        kept = [torch.zeros(P * G if script != "g2rpo" else P, C, H, W) for _ in range(stored)]
-        if script == "densegrpo":
-            kept += [torch.zeros(P * G, C, H, W) for _ in range(T)]  # the sampler's velocities, reused by the completions
-        if script == "g2rpo":
-            kept += [torch.zeros(P * G, C, H, W) for _ in args.sde_steps]  # post-SDE latents of every k
+        L = len(getattr(args, "lambdas", (1,)))
+        full = lambda n: torch.zeros(n, 3, args.resolution, args.resolution)  # noqa: E731 (decoded images, float32)
+        if script == "g2rpo":  # the anchor's x_k (float32) and v(x_k) (bf16), post-SDE latents, the last k's x0 and images
+            kept = [torch.zeros(P, C, H, W) for _ in range(max(args.sde_steps) + 1)]
+            kept += [torch.zeros(P, C, H, W, dtype=bf16) for _ in range(max(args.sde_steps) + 1)]
+            kept += [torch.zeros(P * G, C, H, W) for _ in args.sde_steps] + [torch.zeros(L * P * G, C, H, W), full(L * P * G)]
+        else:  # every latent of every trajectory (float32); DenseGRPO: the sampler's velocities (bf16) and all x0
+            kept = [torch.zeros(P * G, C, H, W) for _ in range(T + 1)] + ([full(P * G)] if script == "flow_grpo" else [])
+            if script == "densegrpo":
+                kept += [torch.zeros(P * G, C, H, W, dtype=bf16) for _ in range(T)] + [torch.zeros((T + 1) * P * G, C, H, W)]
         kept.append(torch.zeros(T, P * G))  # log-probs
+        scored = {"flow_grpo": P * G, "g2rpo": L * P * G}.get(script, mb)  # images per reward call, as the files score
+        out["scored"] = scored
         x = torch.zeros(mb, C, H, W)
 
         def rollout():
@@ -319,8 +325,8 @@ def estimate(name, script, argv, world, tiny=False, undo=(), phases=None):
 
         def score():
             with torch.no_grad(), common.gathered(transformer, sharded):
-                reward_forward(mb)
-        phase("rewards", score, torch.zeros(mb, 3, args.resolution, args.resolution), *kept)
+                reward_forward(scored)
+        phase("rewards", score, full(scored), *kept)
 
         # -------- training: one micro-batch forward + backward with the stored rollout, then the optimizer step
         train_rows = mb if script != "g2rpo" else min(args.micro_batch, P)
@@ -347,9 +353,9 @@ def estimate(name, script, argv, world, tiny=False, undo=(), phases=None):
         # -------- evaluation: this rank's eval pairs, encoded together, ODE in micro-batches, scored together
         n_eval = args.eval_num // world
 
-        e_ids = torch.zeros(n_eval * (2 if cfg else 1), args.max_sequence_length, dtype=torch.long)
+        e_ids = torch.zeros(min(16, n_eval) * (2 if cfg else 1), args.max_sequence_length, dtype=torch.long)
 
-        def eval_encode():  # this rank's evaluation prompts, all at once, before the weights are gathered
+        def eval_encode():  # this rank's evaluation prompts, 16 at a time (common.encode_prompts), before any gathering
             with torch.no_grad():
                 for m in texts:
                     m(input_ids=e_ids[:, :77] if "CLIP" in type(m).__name__ else e_ids)
@@ -392,7 +398,7 @@ def per_iteration(e):
     """FLOPs per rank and iteration (evaluation not included) from the measured calls and the file's closed-form NFE."""
     a, P, fl, mb = e["args"], e["P"], e["flops"], e["mb"]
     fwd = fl["rollout"] / (mb * (1 if e["script"] == "flow_grpo" else 2))  # per sample (a CFG pair counts once)
-    reward = fl["rewards"] / mb
+    reward = fl["rewards"] / e["scored"]
     train = fl["training step"] / (mb if e["script"] != "g2rpo" else min(a.micro_batch, P))  # incl. the reference's
     images = P * a.group_size * {"flow_grpo": 1, "densegrpo": a.num_steps + 1}.get(
         e["script"], len(getattr(a, "lambdas", ())) * len(getattr(a, "sde_steps", ())))
@@ -406,8 +412,8 @@ def startup(e, before=False):
     code converted to float32 first, so a whole float32 model sat on every GPU."""
     if not e["sharded"]:
         return None
-    n, ref = e["n_params"], e["bytes"]["reference (bf16)"] > 0
-    return n * ((4 if before else 2) + 2 * ref) / GIB
+    n, ref = e["n_params"], e["bytes"]["reference (bf16)"] > 0  # the VAE and reward models are already loaded
+    return (n * ((4 if before else 2) + 2 * ref) + e["bytes"]["VAE"] + e["bytes"]["reward models (bf16)"]) / GIB
 
 
 def report(estimates, path, seconds):

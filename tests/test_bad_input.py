@@ -1,5 +1,6 @@
 """Every rejected argument exits with a one-line error that names the value and what is allowed."""
 import pytest
+import torch
 
 import flow_grpo
 from common import latent_shape, load_pipeline, load_prompt_set, load_rewards
@@ -32,6 +33,39 @@ def test_paper_commands_fail_at_once_without_the_prompt_files(tmp_path):
     assert out.returncode != 0 and out.stderr.strip().splitlines()[-1] == (
         "error: prompt file 'data/pickscore/train.txt' does not exist; README 'Prompt sets' says where each paper's "
         "prompts come from (or pass any text file with one prompt per line)")
+
+
+@pytest.mark.parametrize("over,message", [
+    ({"eval_num": 0}, "--eval-num 0 is not a positive multiple of the world size 1"),
+    ({"ema_every": 0}, "--ema-every 0 / --keep-checkpoints 3: use >= 1 / >= 0"),
+])
+def test_more_argument_checks(over, message):
+    with pytest.raises(SystemExit, match=message):
+        check_args(flow_grpo, **over)
+
+
+def test_resume_paths_and_mismatched_ema(tmp_path):
+    from common import latest_checkpoint, load_state
+
+    ckpt = tmp_path / "run" / "checkpoints" / "iter_3"
+    ckpt.mkdir(parents=True)
+    torch.save({"iteration": 3, "args": {}, "trainable": {}, "optimizer": {}, "ema": None}, ckpt / "state.pt")
+    assert latest_checkpoint(str(ckpt) + "/") == str(ckpt) == latest_checkpoint(str(tmp_path / "run") + "/")
+    (tmp_path / "elsewhere").mkdir()
+    torch.save({}, tmp_path / "elsewhere" / "state.pt")
+    with pytest.raises(SystemExit, match="is not a run's checkpoints/iter_<N>; pass the run directory"):
+        latest_checkpoint(str(tmp_path / "elsewhere"))
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])
+    with pytest.raises(SystemExit, match="was saved without an EMA; resume with --no-ema"):
+        load_state(str(ckpt), None, opt, [], [], False, "cpu", with_ema=True)
+
+
+def test_kl_without_noise_at_a_trained_step(tmp_path):
+    paths = tiny_model_dirs(str(tmp_path))
+    out = run_script("flow_grpo.py", tiny_flags(paths["flux"], paths["prompts"], tmp_path / "o", noise_level=0, beta=0.04,
+                                                eval_every=0, num_iterations=1), check=False)
+    assert out.returncode != 0 and out.stderr.strip().splitlines()[-1] == (
+        "error: --beta > 0 needs noise at every trained step (the KL divides by its variance); step 0 has none")
 
 
 def test_world_size_must_divide_prompts():

@@ -34,6 +34,7 @@ def test_interpolation_between_evaluations():
     assert compare.at(curve, "nfe", 301.0, "x") is None
 
 
+@pytest.mark.slow
 def test_tiny_comparison_end_to_end_and_resumable(tmp_path):
     runs, out, tiny = tmp_path / "runs", tmp_path / "out", ["--group-size", "3", "--prompts-per-iteration", "1"]
     # an interrupted run (flow_grpo seed 0 stopped after its checkpoint at iteration 1) and one that died before any

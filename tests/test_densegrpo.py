@@ -29,6 +29,7 @@ def test_calibration_rule():
     assert new == pytest.approx([0.71, 0.69, 0.71, 1.0, 0.1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n,expected", [(1, 240), (2, 456), (None, 1320)])
 def test_nfe_equals_closed_form(tiny, tmp_path, n, expected):
     """Per prompt G (T + sum_t (min(n, t) - 1)), the sampler's v(x_t) reused as each completion's first step:
@@ -58,6 +59,7 @@ def test_two_iterations(tiny, tmp_path, kind):
     assert m[1]["perf/nfe_rollout_per_prompt"] == m[1]["perf/nfe_min_per_prompt"] == 4 * (4 + 6)
 
 
+@pytest.mark.slow
 def test_calibration_mode_writes_psi_and_training_loads_it(tiny, tmp_path):
     out = tmp_path / "psi.json"
     run_script("densegrpo.py", tiny_flags(tiny["flux"], tiny["prompts"], tmp_path / "cal", calibrate=True, psi_out=out,
@@ -73,10 +75,16 @@ def test_calibration_mode_writes_psi_and_training_loads_it(tiny, tmp_path):
     assert [m[1][f"psi/step_{i}"] for i in range(4)] == pytest.approx(psi)
 
 
+@pytest.mark.slow
 def test_torchrun_two_processes(tiny, tmp_path):
     run_script("densegrpo.py", tiny_flags(tiny["flux"], tiny["prompts"], tmp_path, prompts_per_iteration=4), nproc=2)
     _, m = read_metrics(tmp_path)
     assert m[1]["train/first_ratio_max_dev"] <= 1e-6 and "eval/jpeg" in m[2]
+    # calibration on two ranks: every rank leaves its last iteration (no rank waits in a checkpoint barrier alone)
+    out = tmp_path / "psi.json"
+    run_script("densegrpo.py", tiny_flags(tiny["flux"], tiny["prompts"], tmp_path / "cal", prompts_per_iteration=4,
+                                          calibrate=True, psi_out=out, num_iterations=2, save_every=1), nproc=2, timeout=300)
+    assert len(json.loads(out.read_text())["history"]) == 2
 
 
 

@@ -153,6 +153,7 @@ def test_timestep_reaches_the_transformer_in_float32():
     assert torch.tensor(960.1).to(torch.bfloat16).item() == 960  # what a bf16 timestep would have been
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("updates,expected", [(None, 3), (1, 1)])
 def test_g2rpo_optimizer_steps_per_k(tiny, tmp_path, updates, expected):
     run_script("g2rpo.py", tiny_flags(tiny["flux"], tiny["prompts"], tmp_path, num_steps=6, sde_steps="0 1 4",
@@ -175,12 +176,15 @@ def test_calibration_seeks_balance_per_group():
     one_sided = balanced.abs() + 0.1
     mixed = torch.where(torch.arange(P * G) % G < 9, 1.0, -1.0)  # 9 of 12 up in every group
     delta = torch.stack([balanced, one_sided, -one_sided, mixed, torch.zeros(P * G)], 1)
-    psi = [0.7] * 5
-    group = densegrpo.calibrate_step(psi, delta, 2, 0.01, (0.1, 1.5), group_size=G)
-    assert group == pytest.approx([0.71, 0.69, 0.69, 0.69, 0.7])  # a step with no noise (all 0) is left alone
-    pooled = densegrpo.calibrate_step(psi, delta, 2, 0.01, (0.1, 1.5), group_size=0)
+    psi, active = [0.7] * 5, [True] * 4 + [False]  # the last step is taken without noise: left alone
+    group = densegrpo.calibrate_step(psi, delta, 2, 0.01, (0.1, 1.5), group_size=G, active=active)
+    assert group == pytest.approx([0.71, 0.69, 0.69, 0.69, 0.7])
+    pooled = densegrpo.calibrate_step(psi, delta, 2, 0.01, (0.1, 1.5), group_size=0, active=active)
     pooled_balance = abs(int((balanced > 0).sum() - (balanced < 0).sum()))
     assert pooled_balance >= 2 and pooled == pytest.approx([0.69, 0.69, 0.69, 0.69, 0.7])
+    # the group rule is the pooled count over the number of groups: a pooled rule whose eps1 grows with the prompts
+    assert densegrpo.calibrate_step(psi, delta, 2 * P, 0.01, (0.1, 1.5), group_size=0) == pytest.approx(
+        densegrpo.calibrate_step(psi, delta, 2, 0.01, (0.1, 1.5), group_size=G))
 
 
 def test_spaced_completions_take_exactly_n_steps():
@@ -196,6 +200,7 @@ def test_spaced_completions_take_exactly_n_steps():
         assert spaced_indices(i, T, T) == list(range(i, T + 1))
 
 
+@pytest.mark.slow
 def test_dense_nfe_closed_form_for_any_n(tiny, tmp_path):
     """n = 6 at T = 10, G = 24: G (T + sum_i (min(6, T - i) - 1)) = 24 (10 + 35) = 1080."""
     run_script("densegrpo.py", tiny_flags(tiny["flux"], tiny["prompts"], tmp_path, num_steps=10, group_size=24,

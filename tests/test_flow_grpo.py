@@ -47,6 +47,7 @@ def test_full_finetune_changes_weights(tiny, tmp_path):
     assert len(changed) > len(before) // 2
 
 
+@pytest.mark.slow
 def test_resume_after_a_kill_reads_like_one_run(tiny, tmp_path):
     """A run killed after logging iteration 3 but before its checkpoint resumes from iter_2: metrics.jsonl, eval_3.json
     and samples/eval_3.png are rewritten, never duplicated, and equal the uninterrupted run's."""
@@ -70,8 +71,17 @@ def test_resume_after_a_kill_reads_like_one_run(tiny, tmp_path):
     last = [json.load(open(os.path.join(r, "eval_3.json"))) for r in (run, full_run)]
     assert last[0] == pytest.approx(last[1])
     assert sorted(os.listdir(os.path.join(run, "samples"))) == ["eval_0.png", "eval_1.png", "eval_2.png", "eval_3.png"]
+    assert sorted(os.listdir(os.path.join(run, "checkpoints"))) == ["iter_2", "iter_3"]
 
 
+def test_keep_only_the_newest_checkpoints(tiny, tmp_path):
+    run_script("flow_grpo.py", tiny_flags(tiny["flux"], tiny["prompts"], tmp_path, num_iterations=3, eval_every=0,
+                                          save_every=1, keep_checkpoints=2))
+    run, _ = read_metrics(tmp_path)
+    assert sorted(os.listdir(os.path.join(run, "checkpoints"))) == ["iter_2", "iter_3"]
+
+
+@pytest.mark.slow
 def test_resume_matches_uninterrupted_run(tiny, tmp_path):
     full, part = str(tmp_path / "full"), str(tmp_path / "part")
     run_script("flow_grpo.py", tiny_flags(tiny["flux"], tiny["prompts"], full, num_iterations=3, eval_every=0,
@@ -90,6 +100,7 @@ def test_resume_matches_uninterrupted_run(tiny, tmp_path):
         assert a[3][k] == pytest.approx(b[3][k], rel=1e-6, abs=1e-12), k
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("full", [False, True], ids=["lora-ddp", "full-fsdp2"])
 def test_torchrun_two_processes(tiny, tmp_path, full):
     extra = {"full_finetune": True, "no_ema": True} if full else {}

@@ -16,6 +16,7 @@ def g2_flags(tiny, out, kind="flux", **over):
     return tiny_flags(tiny[kind], tiny["prompts"], out, **base)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("lambdas,expected", [("1", 1112), ("1 2", 1592), ("1 3", 1412), ("1 2 3", 1892)])
 def test_nfe_equals_closed_form_minimum(tiny, tmp_path, lambdas, expected):
     """T = 16, M = the first 8 steps, G = 12: 8 anchor evaluations, then per member and k one shared first completion
@@ -48,6 +49,7 @@ def test_eta_zero_makes_every_member_identical(tiny, tmp_path):
     assert m[1]["train/grad_norm"] == 0.0 and m[1]["train/policy_loss"] == 0.0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("full", [False, True], ids=["lora-ddp", "full-fsdp2"])
 def test_torchrun_two_processes(tiny, tmp_path, full):
     over = {"full_finetune": True, "no_full_finetune": None} if full else {}

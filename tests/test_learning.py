@@ -11,6 +11,8 @@ import pytest
 
 from helpers import ROOT, read_metrics
 
+pytestmark = pytest.mark.slow
+
 # measured here (~6 minutes on one core each, the three side by side), training reward gain +- paired SE on 256 pairs:
 # g2rpo (Lambda = {1, 2}, 4 prompts, 10 iterations, 8 optimizer steps per iteration at lr 1.25e-5): +0.0140 +- 0.0033
 #   (+4.2 SE); at lr 1e-4 with 8 steps per iteration it fell (-0.024 +- 0.009), hence the TOY preset's lr 1e-4 / 8

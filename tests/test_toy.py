@@ -146,6 +146,7 @@ def test_saved_pipeline_leaves_headroom():
     assert 0.4 < (a.mean() + b.mean()) / 2 < 0.8 and strict.mean() <= 0.65, (a.mean(), b.mean(), strict.mean())
 
 
+@pytest.mark.slow
 def test_maker_runs_end_to_end(tmp_path):
     out, png = tmp_path / "pipe", tmp_path / "samples.png"
     cmd = [sys.executable, os.path.join(ROOT, "toy", "make_toy.py"), "--out", str(out), "--vae-steps", "2",
