@@ -241,6 +241,28 @@ def closed_form(run):
     return value("--group-size", 12) * value("--num-steps", 16)  # the TOY preset's G and T unless overridden
 
 
+def change(xs, pick, metric):
+    """'+0.0123 +- 0.0045': the change from the base model, mean +- standard error over seeds."""
+    m, sd, n = stats([pick(x, metric) - x[0][metric] for x in xs if pick(x, metric) is not None])
+    return f"{m:+.4f} +- {sd / math.sqrt(n):.4f}" if n > 1 else f"{m:+.4f}"
+
+
+def headline(cv, runs, eq_iter, eq_nfe):
+    """One row per config: the training reward (mean of the two toy rewards) and the strict metric, changed from the
+    base model, at equal NFE, at equal iterations and at the full budget, mean +- standard error over seeds."""
+    at_nfe, at_it = (lambda x, m: at(x, "nfe", eq_nfe, m)), (lambda x, m: at(x, "iteration", eq_iter, m))  # noqa: E731
+    last = lambda x, m: x[-1][m]  # noqa: E731
+    lines = [f"| config | seeds | iterations | NFE per iteration | training reward, equal NFE ({eq_nfe:,.0f}) | strict, equal "
+             f"NFE | training reward, equal iterations ({eq_iter}) | strict, equal iterations | strict, full budget |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for c, xs in cv.items():
+        nfe = stats([r["perf/nfe_per_iteration"] for run in runs[c] for r in run["metrics"] if "perf/nfe_per_iteration" in r])
+        lines.append(f"| {c} | {len(xs)} | {xs[0][-1]['iteration']} | {nfe[0]:,.0f} | {change(xs, at_nfe, 'train')} | "
+                     f"{change(xs, at_nfe, S)} | {change(xs, at_it, 'train')} | {change(xs, at_it, S)} | "
+                     f"{change(xs, last, S)} |")
+    return "\n".join(lines) + "\n"
+
+
 def summarize(a):
     import matplotlib
 
@@ -251,7 +273,7 @@ def summarize(a):
     if not runs:
         sys.exit(f"error: no finished runs under {os.path.join(a.out, 'raw')}; run without --summary-only first")
     cv = {c: [curves(r) for r in rs] for c, rs in runs.items()}
-    metrics = [A, B, S]
+    metrics = [A, B, "train", S]
     eq_iter = min(x[-1]["iteration"] for xs in cv.values() for x in xs)
     eq_nfe = min(x[-1]["nfe"] for xs in cv.values() for x in xs)
     pairs = sorted({len(e[S]) for rs in runs.values() for r in rs for e in r["evals"].values()})
@@ -293,6 +315,8 @@ def summarize(a):
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "tables.md"), "w") as f:
         f.write("\n".join(lines))
+    with open(os.path.join(a.out, "headline.md"), "w") as f:  # the README's condensed table
+        f.write(headline(cv, runs, eq_iter, eq_nfe))
 
     def band(ax, configs, x_key, metric):
         """Mean over the seeds that have an evaluation at each iteration, +- the standard error where n > 1."""
