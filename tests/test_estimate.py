@@ -57,3 +57,14 @@ def test_estimate_script_writes_every_command(tmp_path):
     text = out.read_text()
     for name, *_ in estimate.COMMANDS:
         assert text.count(f"| {name} |") == 3, name  # the peak table, the resident table, the before/after table
+
+
+def test_gpu_check_script_runs_on_a_tiny_model():
+    """results/gpu_check.py is what a session with a GPU runs to check the estimate; its code path works on a CPU."""
+    import json
+
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "results", "gpu_check.py"), "--tiny"], capture_output=True,
+                          text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout[proc.stdout.index("{"):proc.stdout.rindex("}") + 1])
+    assert out["lora gradients"] > 0 and "training step peak GiB" in out
