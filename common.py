@@ -681,7 +681,8 @@ def run_summary(run_dir: str, args, kind: str, weights: dict, seconds: float) ->
     e0, e1 = (json.load(open(os.path.join(run_dir, f"eval_{i}.json"))) for i in (evals[:1] + evals[-1:])) if evals else ({}, {})
     if len(evals) > 1 and e0.keys() == e1.keys() and len(e0[args.rewards[0]]) == len(e1[args.rewards[0]]):
         for e in (e0, e1):  # the training objective on held-out pairs
-            e["training reward"] = [sum(weights[k] * e[k][j] for k in weights) for j in range(len(e[args.rewards[0]]))]
+            e["training reward"] = [sum(weights[k] * e[k][j] for k in weights) / sum(weights.values())  # weighted mean
+                                    for j in range(len(e[args.rewards[0]]))]
         out.append(f"Evaluation on {len(e1[args.rewards[0]])} fixed prompt/seed pairs (ODE, {args.eval_steps} steps), "
                    f"iteration {evals[0]} -> {evals[-1]}, change +- paired standard error:")
         for name in ["training reward", *[k for k in e1 if k != "training reward"]]:

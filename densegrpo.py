@@ -318,7 +318,7 @@ if __name__ == "__main__":
         log_metrics(writer, run_dir, iteration, {f"eval/{k}": v.mean() for k, v in scores.items()}, per_sample=scores)
         if writer is not None:  # the same pairs every time: flip through runs/<run>/samples/eval_*.png
             save_eval_grid(run_dir, iteration, images, prompts, local)
-        return sum(weights[k] * scores[k].mean() for k in args.rewards).item()  # the training reward on held-out pairs
+        return sum(weights[k] * scores[k].mean() for k in args.rewards).item() / sum(weights.values())  # weighted mean
 
     t0, headline = time.time(), evaluate(0) if start == 0 and args.eval_every else None  # iteration 0: the base model
     pbar = tqdm(range(start, args.num_iterations), disable=rank != 0, desc="iterations", initial=start,
