@@ -10,6 +10,7 @@ import math
 import os
 import shutil
 import sys
+import textwrap
 
 import torch
 import torch.distributed as dist
@@ -647,15 +648,15 @@ def image_grid(images, captions, ncols: int = 6, path: str | None = None, title:
     import matplotlib.pyplot as plt
 
     ncols = min(ncols, len(images))
-    fig, axes = plt.subplots(math.ceil(len(images) / ncols), ncols, figsize=(2.2 * ncols, 2.5 * math.ceil(len(images) / ncols)),
-                             squeeze=False)
+    rows, lines = math.ceil(len(images) / ncols), max(c.count("\n") + 1 for c in captions)  # caption lines above each
+    fig, axes = plt.subplots(rows, ncols, figsize=(2.4 * ncols, (2.3 + 0.15 * lines) * rows), squeeze=False,
+                             layout="constrained")
     for ax in axes.flat:
         ax.axis("off")
     for ax, img, cap in zip(axes.flat, images, captions):
         ax.imshow(img.permute(1, 2, 0).float().cpu().numpy())
-        ax.set_title(cap, fontsize=7, wrap=True)
+        ax.set_title(cap, fontsize=7)
     fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
     if path:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         fig.savefig(path, dpi=100)
@@ -665,7 +666,8 @@ def image_grid(images, captions, ncols: int = 6, path: str | None = None, title:
 
 def save_eval_grid(run_dir: str, iteration: int, images, prompts: list, scores: dict, n: int = 12):
     """runs/<run>/samples/eval_<iteration>.png: the first n fixed evaluation pairs, captioned with prompt and rewards."""
-    captions = [f"{p[:60]}\n" + " ".join(f"{k}={v[i]:.3f}" for k, v in scores.items()) for i, p in enumerate(prompts[:n])]
+    captions = ["\n".join(textwrap.wrap(p, 34) + [f"{k} {v[i]:.3f}" for k, v in scores.items()])
+                for i, p in enumerate(prompts[:n])]
     image_grid(images[:n].cpu(), captions, path=os.path.join(run_dir, "samples", f"eval_{iteration}.png"),
                title=f"iteration {iteration}: ODE samples of fixed prompt / seed pairs")
 
