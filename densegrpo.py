@@ -178,7 +178,7 @@ TOY = dict(model="toy", mixed_precision="no", resolution=32, max_sequence_length
            reward_combine="advantages", num_steps=16, eval_steps=16, group_size=12, micro_batch=48,
            full_finetune=True, gradient_checkpointing=False, ema=False, num_iterations=60, eval_every=20, eval_num=256,
            save_every=20, log_images_every=20,
-           learning_rate=1e-4, noise_level=0.5, prompts_per_iteration=8, timestep_fraction=0.5, global_std=False, beta=0.04,
+           learning_rate=1e-4, noise_level=0.5, prompts_per_iteration=4, timestep_fraction=0.5, global_std=False, beta=0.04,
            updates_per_iteration=1)
 
 
