@@ -217,7 +217,7 @@ if __name__ == "__main__":
 
     # TRY NOT TO MODIFY: model, rewards, prompts, optimizer
     train_prompts, eval_prompts = load_prompt_set(args.prompts, "train"), load_prompt_set(args.eval_prompts, "test")
-    amp = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.mixed_precision) if device.type == "cuda" else None
+    amp = torch.bfloat16 if args.mixed_precision == "bf16" and device.type == "cuda" else None
     pipe, kind = load_pipeline(args.model, device, amp or torch.float32)
     transformer = pipe.transformer
     C, H, W = latent_shape(pipe, kind, args.resolution)

@@ -124,7 +124,7 @@ class Args:
     """gradient-norm clip"""
     updates_per_iteration: int | None = None
     """optimizer steps per iteration: the iteration's training terms split into this many mini-batches (the first is
-    on-policy)"""
+    on-policy); default: one per trained k, as G2RPO's code"""
     ema: bool = False
     """keep an EMA of the trainable weights for evaluation and the exported weights"""
     ema_decay: float = 0.9
@@ -177,7 +177,7 @@ def check_args(args, world: int):
             fail(f"{flag} {list(values)} is not allowed; give distinct values in {low}..{args.num_steps - 1}"
                  + (" (a repeated stride only duplicates identical advantages)" if flag == "--lambdas" else ""))
     most = len(args.sde_steps)  # one per trained k
-    args.updates_per_iteration = args.updates_per_iteration or most  # default: one per k, as G2RPO's code
+    args.updates_per_iteration = args.updates_per_iteration or most
     if not 1 <= args.updates_per_iteration <= most:
         fail(f"--updates-per-iteration {args.updates_per_iteration} is not allowed; use 1..{most} (mini-batches per iteration)")
 
@@ -211,7 +211,7 @@ if __name__ == "__main__":
 
     # TRY NOT TO MODIFY: model, rewards, prompts, optimizer
     train_prompts, eval_prompts = load_prompt_set(args.prompts, "train"), load_prompt_set(args.eval_prompts, "test")
-    amp = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.mixed_precision) if device.type == "cuda" else None
+    amp = torch.bfloat16 if args.mixed_precision == "bf16" and device.type == "cuda" else None
     pipe, kind = load_pipeline(args.model, device, amp or torch.float32)
     transformer = pipe.transformer
     C, H, W = latent_shape(pipe, kind, args.resolution)
