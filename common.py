@@ -1,9 +1,22 @@
-"""Shared plumbing for flow_grpo.py, g2rpo.py and densegrpo.py: plain functions, in six sections.
+"""The one module the algorithm files share: plain functions, in the order a port to another code base needs.
 
-1. schedules  2. SDE/ODE steps  3. model  4. rewards  5. advantages  6. distributed, logging, checkpoints
-The algorithm files import what they need from here; everything algorithm-specific stays in them.
+0. fail                  a one-line error instead of a traceback
+1. Math (torch only)     shifted_sigmas, strided_indices, spaced_indices, gaussian_log_prob, sde_mean_std,
+                         sde_step, ode_step, group_advantages, combine_advantages, coca_credit
+2. Model                 load_pipeline, latent_shape, pipeline_sigmas, encode_prompts, select, velocity (NFE),
+                         velocities, ode_complete, decode, make_trainable, shard, gathered, as_reference
+3. Rewards and prompts   RewardModels, REWARDS, load_rewards, score; HPS-v2.1, CLIP score, PickScore,
+                         ImageReward, aesthetic, UnifiedReward, JPEG, the toy world's; load_prompt_set
+4. Run plumbing          TOY_WORLD, parse_args, check_common_args, setup_distributed, gather_cat,
+                         sum_over_ranks, broadcast_object, iteration_generator, optimizer_step, run_directory,
+                         make_writer, log_metrics, ema_update, swapped_in, resume_checkpoint, save_state,
+                         load_state
+5. Evaluation, reports   evaluate_policy, image_grid, save_eval_grid, run_summary
+
+What an algorithm adds (its rollout, advantages, loss, KL and statistics) is written in its own file.
 """
 import contextlib
+import dataclasses
 import io
 import json
 import math
@@ -16,84 +29,49 @@ import torch
 import torch.distributed as dist
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-MODEL_ALIASES = {  # short names accepted by --model
-    "toy": os.path.join(HERE, "toy", "flux-shapes"),
-    "sd3.5-medium": "stabilityai/stable-diffusion-3.5-medium",
-    "flux-dev": "black-forest-labs/FLUX.1-dev",
-}
 
 
+# ======== 0. Errors ========
 def fail(message: str):
-    """Stop with a one-line error (no traceback): bad input must say what was wrong and what is allowed."""
+    """Stop with a one-line error (no traceback): bad input says what was wrong and what is allowed."""
     raise SystemExit(f"error: {message}")
 
 
-def apply_preset(args, preset: dict, argv=None):
-    """Set every field in `preset` that was not passed explicitly on the command line (explicit flags win)."""
-    argv = sys.argv[1:] if argv is None else argv
-    given = {a[2:].split("=")[0].replace("-", "_") for a in argv if a.startswith("--")}
-    given |= {g[3:] for g in given if g.startswith("no_")}
-    for key, value in preset.items():
-        if key not in given:
-            setattr(args, key, value)
-    return args
-
-
-# ======== 1. Schedules ========
-def sigma_schedule(num_steps: int, shift: float, pipe=None, kind: str = "flux", image_tokens: int = 0) -> torch.Tensor:
-    """Noise levels sigma_0 = 1 > ... > sigma_T = 0 for T = num_steps sampling steps.
-
-    Without `pipe`: shift*u / (1 + (shift-1)*u) on u = linspace(1, 0, T + 1) (DanceGRPO, G2RPO). With `pipe`: the
-    pipeline's own scheduler and its config, as diffusers' pipelines (and Flow-GRPO) call it: SD3
-    `set_timesteps(T)` (shift 3, sigma_min shifted too); Flux `linspace(1, 1/T, T)` with the resolution-dependent
-    mu = calculate_shift(image_tokens) when the scheduler shifts dynamically (FLUX.1-dev); then sigma = 0."""
-    if pipe is None:
-        u = torch.linspace(1, 0, num_steps + 1, dtype=torch.float64)
-        return (shift * u / (1 + (shift - 1) * u)).float()
-    import numpy as np
-    from diffusers.pipelines.flux.pipeline_flux import calculate_shift
-
-    scheduler = type(pipe.scheduler).from_config(pipe.scheduler.config)  # a copy: the pipeline's state is untouched
-    c = scheduler.config
-    mu = calculate_shift(image_tokens, c.get("base_image_seq_len", 256), c.get("max_image_seq_len", 4096),
-                         c.get("base_shift", 0.5), c.get("max_shift", 1.15))
-    if kind == "flux":
-        scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / num_steps, num_steps), mu=mu)
-    else:
-        scheduler.set_timesteps(num_steps, mu=mu if c.get("use_dynamic_shifting") else None)
-    return scheduler.sigmas.float().cpu()
+# ======== 1. Math: schedules, SDE / ODE steps, log-probs, advantages (torch only) ========
+def shifted_sigmas(num_steps: int, *, shift: float) -> torch.Tensor:
+    """DanceGRPO's (and G2RPO's, MixGRPO's) schedule: shift u / (1 + (shift - 1) u) on linspace(1, 0, T +
+    1)."""
+    u = torch.linspace(1, 0, num_steps + 1, dtype=torch.float64)
+    return (shift * u / (1 + (shift - 1) * u)).float()
 
 
 def strided_indices(start: int, end: int, stride: int) -> list[int]:
-    """Schedule indices start, start+stride, ... that always end exactly at `end` (the last stride may be shorter).
-    Gives ceil((end - start) / stride) steps."""
+    """Indices start, start + stride, ... ending exactly at `end` (the last stride may be shorter)."""
     if stride < 1:
         fail(f"stride {stride} is not allowed; use an integer >= 1")
     return list(range(start, end, stride)) + [end]
 
 
 def spaced_indices(start: int, end: int, n: int) -> list[int]:
-    """Exactly min(n, end - start) steps from schedule index `start` to `end`, as evenly spaced as integers allow:
-    start + ceil(j (end - start) / n). n = 1 jumps straight to `end`; n >= end - start visits every index."""
+    """Exactly min(n, end - start) steps from `start` to `end`, as evenly spaced as integers allow."""
     n = min(n, end - start)
     return [start + -(-j * (end - start) // n) for j in range(n + 1)]
 
 
-# ======== 2. SDE / ODE steps (all step math in float32, shared by sampling and training so log-probs match exactly) ========
 def gaussian_log_prob(x: torch.Tensor, mean: torch.Tensor, std: float) -> torch.Tensor:
     """log N(x; mean, std^2), averaged over every non-batch dimension (the official per-element mean)."""
     lp = -((x.detach() - mean) ** 2) / (2 * std**2) - math.log(std) - 0.5 * math.log(2 * math.pi)
     return lp.mean(dim=tuple(range(1, x.ndim)))
 
 
-def sde_step(v, x, sigmas, i: int, noise_level: float, prev_sample=None, generator=None, form: str = "flow_grpo"):
-    """One Euler-Maruyama step of the marginal-preserving reverse SDE from sigmas[i] to sigmas[i+1].
+def sde_mean_std(v, x, sigmas, i: int, noise_level: float, *, form: str = "flow_grpo"):
+    """Mean and std of one Euler-Maruyama step sigmas[i] -> sigmas[i + 1] of the marginal-preserving SDE
 
-    dx = [v + g^2 / (2 sigma) (x + (1 - sigma) v)] dt + g dW   (Flow-GRPO Eq. 9; G2RPO Eq. 3), dt < 0, with
-    g = a * sqrt(sigma / (1 - sigma')) (form "flow_grpo"; sigma' = sigmas[1] at sigma = 1) or g = eta ("dance",
-    DanceGRPO's constant coefficient). noise_level 0 is the Euler ODE step x + v dt (log-prob is then 0).
-    Samples x_next unless `prev_sample` is given. Returns (x_next, log_prob, mean, std) with std = g sqrt(-dt).
-    """
+    dx = [v + g^2 / (2 sigma) (x + (1 - sigma) v)] dt + g dW   (Flow-GRPO Eq. 9, G2RPO Eq. 3; dt < 0)
+
+    with g = a sqrt(sigma / (1 - sigma)) (form "flow_grpo": Flow-GRPO's std_dev_t, sigma = 1 replaced by
+    sigmas[1] in the denominator) or g = eta (form "dance": DanceGRPO). Returns (mean, g sqrt(-dt), g),
+    float32."""
     v, x = v.float(), x.float()
     sigma, sigma_next = float(sigmas[i]), float(sigmas[i + 1])
     dt = sigma_next - sigma
@@ -104,12 +82,22 @@ def sde_step(v, x, sigmas, i: int, noise_level: float, prev_sample=None, generat
     else:
         fail(f"noise form {form!r} is not known; use 'flow_grpo' or 'dance'")
     mean = x + (v + g**2 / (2 * sigma) * (x + (1 - sigma) * v)) * dt
-    std = g * math.sqrt(-dt)
+    return mean, g * math.sqrt(-dt), g
+
+
+def sde_step(v, x, sigmas, i: int, noise_level: float, *, prev_sample=None, generator=None,
+             form: str = "flow_grpo"):
+    """One SDE step: samples x_next unless `prev_sample` is given, and its log-prob; noise level 0 is the
+    Euler ODE step x + v dt (log-prob 0). Returns (x_next, log_prob, mean, std)."""
+    mean, std, _ = sde_mean_std(v, x, sigmas, i, noise_level, form=form)
     if prev_sample is None:
         noise = torch.randn(x.shape, generator=generator, device=generator.device if generator else x.device)
         prev_sample = mean + std * noise.to(x.device) if std > 0 else mean
     prev_sample = prev_sample.float()
-    log_prob = gaussian_log_prob(prev_sample, mean, std) if std > 0 else torch.zeros(x.shape[0], device=x.device)
+    if std > 0:
+        log_prob = gaussian_log_prob(prev_sample, mean, std)
+    else:
+        log_prob = torch.zeros(x.shape[0], device=x.device)
     return prev_sample, log_prob, mean, std
 
 
@@ -118,153 +106,251 @@ def ode_step(v, x, sigma: float, sigma_next: float):
     return x.float() + v.float() * (float(sigma_next) - float(sigma))
 
 
-@torch.no_grad()
-def ode_complete(transformer, kind: str, x, paths: list, sigmas, emb: dict, guidance: float, micro_batch: int,
-                 v_first=None, emb_index=None):
-    """Integrate the ODE from each start x[n] (embedding row emb_index[n], default n) along schedule indices paths[r],
-    r = n, n + N, ... (e.g. strided_indices(...) per stride, or the whole schedule). The velocity at a start is
-    evaluated once (or taken from `v_first`) and shared by all its paths; later steps batch every row still moving,
-    whatever its stride. Embeddings are indexed per micro-batch, never copied per row."""
-    n, reps = len(x), len(paths) // len(x)
-    start = torch.arange(n).repeat(reps)  # row -> its start
-    emb_index = torch.arange(n) if emb_index is None else emb_index.cpu()
-    if v_first is None and max(map(len, paths)) > 1:
-        s0 = sigmas[[p[0] for p in paths[:n]]]
-        v_first = torch.cat([velocity(transformer, kind, x[c], s0[c], select(emb, emb_index[c].to(x.device)), guidance)
-                             .float() for c in torch.arange(n).split(micro_batch)])
-    x = x.float().repeat(reps, *[1] * (x.ndim - 1))
-    for k in range(max(map(len, paths)) - 1):
-        live = [r for r, p in enumerate(paths) if len(p) > k + 1]
-        s, rows = sigmas[[paths[r][k] for r in live]], torch.tensor(live, dtype=torch.long)
-        ds = (sigmas[[paths[r][k + 1] for r in live]] - s).to(x.device).view(-1, *[1] * (x.ndim - 1))
-        if k == 0:
-            v = v_first[start[rows]].float()
-        else:
-            v = torch.cat([velocity(transformer, kind, x[rows[c]], s[c], select(emb, emb_index[start[rows[c]]].to(x.device)),
-                                    guidance).float() for c in torch.arange(len(rows)).split(micro_batch)])
-        x[rows] = x[rows] + v * ds  # Euler step dx = v dt
-    return x
+def group_advantages(rewards, *, eps: float, unbiased: bool, global_std: bool = False):
+    """GRPO advantages of rewards [P, G] (P groups of G): (r - group mean) / (std + eps), the std per group or
+    over all P G rewards. A group of equal rewards gets exactly zero advantage (never NaN or eps-blown)."""
+    r = rewards.double()
+    centred = r - r.mean(dim=1, keepdim=True)
+    if global_std:
+        std = r.std(unbiased=unbiased)
+    else:
+        std = r.std(dim=1, keepdim=True, unbiased=unbiased)
+    adv = centred / (std + eps)
+    flat = r.max(dim=1, keepdim=True).values == r.min(dim=1, keepdim=True).values
+    return torch.where(flat, torch.zeros_like(adv), adv).float()
 
 
-# ======== 3. Model: loading, prompt encoding, velocity (with an NFE counter), decoding, trainable parameters ========
-NFE = {"count": 0}  # per-sample transformer evaluations (a CFG pair counts once); every forward goes through velocity()
-_ATTN = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj",
-         "attn.to_add_out"]  # "attn." as in Flow-GRPO: SD3.5-M's second attention (attn2) gets no adapter
-LORA_TARGETS = {"sd3": _ATTN, "flux": _ATTN + ["ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2"]}
+def combine_advantages(rewards: dict, weights: dict, *, mode: str, eps: float, unbiased: bool,
+                       global_std: bool):
+    """Several rewards {name: [P, G]} -> one advantage [P, G]. "advantages": each reward normalised, then the
+    weighted sum (DanceGRPO, G2RPO, MixGRPO); "rewards": the weighted sum of the rewards normalised
+    (Flow-GRPO)."""
+    norm = {"eps": eps, "unbiased": unbiased, "global_std": global_std}
+    if mode == "advantages":
+        return sum(weights[n] * group_advantages(r, **norm) for n, r in rewards.items())
+    if mode == "rewards":
+        return group_advantages(sum(weights[n] * r for n, r in rewards.items()), **norm)
+    fail(f"reward combination {mode!r} is not known; use 'advantages' or 'rewards'")
 
 
-def load_pipeline(model: str, device, dtype=torch.float32):
-    """A FluxPipeline or StableDiffusion3Pipeline from an alias in MODEL_ALIASES, a local directory or a hub id.
-    Returns (pipe, kind) with kind in {"flux", "sd3"}."""
+def coca_credit(advantages, x0_hats, final, *, window: int, alpha: float, group_size: int, trained: int):
+    """CoCA's step credit (Liao et al., 2025; scripts/train_coca.py) of the terminal advantages A [N]: c_k =
+    cos(x0_hat_k, final) for the T steps, c_T = 1; window means m_j of c_1..c_T; gains g_0 = m_0 - c_0, g_j =
+    m_j - m_{j-1}; w_k = g_{k // window} / (window sum_j g_j) (they sum to 1); s_k = sum_{k' >= k} w_k'; R_k =
+    A (alpha + (1 - alpha) s_k), z-scored per group over its samples and first `trained` steps. [T, N]"""
+    T, N = x0_hats.shape[:2]
+    flat = x0_hats.reshape(T, N, -1).double()
+    c = torch.nn.functional.cosine_similarity(flat, final.reshape(1, N, -1).double(), dim=-1)
+    c = torch.cat([c, torch.ones(1, N, dtype=c.dtype, device=c.device)])  # c_T = 1
+    means = c[1:].view(T // window, window, N).mean(1)  # m_j
+    gains = means - torch.cat([c[:1], means[:-1]])  # g_0 = m_0 - c_0, g_j = m_j - m_{j-1}
+    total = gains.sum(0)
+    uniform = total.abs() < 1e-12  # a zero sum (unguarded in CoCA's code): uniform weights
+    gains = torch.where(uniform, torch.ones_like(gains), gains)
+    total = torch.where(uniform, torch.full_like(total, T / window), total)
+    w = (gains / (window * total)).repeat_interleave(window, dim=0)  # [T, N]
+    s = w.flip(0).cumsum(0).flip(0)  # the credit to go
+    r = advantages.double() * (alpha + (1 - alpha) * s)
+    groups = r[:trained].reshape(trained, -1, group_size)
+    mean = groups.mean(dim=(0, 2), keepdim=True)
+    std = groups.std(dim=(0, 2), keepdim=True, unbiased=False)
+    return ((r.reshape(T, -1, group_size) - mean) / (std + 1e-6)).reshape(T, N).float()
+
+
+# ======== 2. Model: loading, prompts, velocity (with an NFE counter), decoding, training setup ========
+MODEL_ALIASES = {  # short names accepted by --model
+    "toy": os.path.join(HERE, "toy", "flux-shapes"),
+    "sd3.5-medium": "stabilityai/stable-diffusion-3.5-medium",
+    "flux-dev": "black-forest-labs/FLUX.1-dev",
+}
+NFE = {"count": 0}  # per-sample transformer evaluations (a CFG pair counts once), counted in velocity()
+# "attn." as in Flow-GRPO: SD3.5-M's second attention (attn2) gets no adapter
+_ATTN = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj",
+         "attn.add_v_proj", "attn.to_add_out"]
+LORA_TARGETS = {"sd3": _ATTN, "flux": _ATTN + ["ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj",
+                                               "ff_context.net.2"]}
+
+
+def load_pipeline(model: str, device, *, dtype=torch.float32):
+    """A FluxPipeline or StableDiffusion3Pipeline from an alias in MODEL_ALIASES, a local directory or a hub
+    id: (pipe, "flux" | "sd3"). The text encoders wait on the CPU between encodings (T5-XXL: 9.5 GiB)."""
     from diffusers import DiffusionPipeline, FluxPipeline, StableDiffusion3Pipeline
 
     path = MODEL_ALIASES.get(model, model)
-    is_hub_id = path.count("/") == 1 and not path.startswith((".", "/", "~")) and not os.path.exists(path)
-    if not os.path.isdir(path) and not is_hub_id:
+    hub_id = path.count("/") == 1 and not path.startswith((".", "/", "~")) and not os.path.exists(path)
+    if not os.path.isdir(path) and not hub_id:
         fail(f"model path {model!r} does not exist; pass a local pipeline directory, a hub id (owner/name) "
              f"or one of {sorted(MODEL_ALIASES)}")
     try:
         pipe = DiffusionPipeline.from_pretrained(path, dtype=dtype)
     except Exception as e:  # offline hub id, broken directory, ...
         fail(f"cannot load model {model!r}: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
-    kind = "flux" if isinstance(pipe, FluxPipeline) else "sd3" if isinstance(pipe, StableDiffusion3Pipeline) else None
+    kinds = [(FluxPipeline, "flux"), (StableDiffusion3Pipeline, "sd3")]
+    kind = next((k for cls, k in kinds if isinstance(pipe, cls)), None)
     if kind is None:
-        fail(f"model {model!r} is a {type(pipe).__name__}; only FluxPipeline and StableDiffusion3Pipeline are supported")
+        fail(f"model {model!r} is a {type(pipe).__name__}; only Flux and StableDiffusion3 pipelines work")
     pipe.set_progress_bar_config(disable=True)
     for name in ("vae", "text_encoder", "text_encoder_2", "text_encoder_3", "transformer"):
         module = getattr(pipe, name, None)
-        if module is not None:  # on a GPU the text encoders (T5-XXL: 9.5 GiB) wait on the CPU between encodings
+        if module is not None:
             module.requires_grad_(False).eval().to("cpu" if name.startswith("text") else device)
     return pipe, kind
 
 
 def latent_shape(pipe, kind: str, resolution: int) -> tuple:
-    """(C, H, W) of the latents for a square image, or a one-line error if the model cannot take `resolution`."""
+    """(C, H, W) of the latents of a square image, or a one-line error if the model cannot take
+    `resolution`."""
     f = pipe.vae_scale_factor
     multiple = 2 * f if kind == "flux" else f * pipe.transformer.config.patch_size
     if resolution < multiple or resolution % multiple:
-        fail(f"--resolution {resolution} is not allowed for this model; use a positive multiple of {multiple}")
+        fail(f"--resolution {resolution} is not allowed for this model; use a positive multiple of "
+             f"{multiple}")
     channels = pipe.transformer.config.in_channels // (4 if kind == "flux" else 1)
     return channels, resolution // f, resolution // f
 
 
+def pipeline_sigmas(pipe, kind: str, *, num_steps: int, image_tokens: int) -> torch.Tensor:
+    """The noise levels the pipeline itself samples with, then 0 (Flow-GRPO, DenseGRPO, every evaluation): SD3
+    `set_timesteps(T)`; Flux `linspace(1, 1/T, T)` with mu = calculate_shift(image tokens) when the scheduler
+    shifts dynamically (FLUX.1-dev). A copy of the scheduler: the pipeline's own state is untouched."""
+    import numpy as np
+    from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+
+    scheduler = type(pipe.scheduler).from_config(pipe.scheduler.config)
+    c = scheduler.config
+    mu = calculate_shift(image_tokens, c.get("base_image_seq_len", 256), c.get("max_image_seq_len", 4096),
+                         c.get("base_shift", 0.5), c.get("max_shift", 1.15))
+    if kind == "flux":
+        scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / num_steps, num_steps), mu=mu)
+    else:
+        scheduler.set_timesteps(num_steps, mu=mu if c.get("use_dynamic_shifting") else None)
+    return scheduler.sigmas.float().cpu()
+
+
 @torch.no_grad()
-def encode_prompts(pipe, kind: str, prompts: list[str], max_sequence_length: int, cfg: float = 1.0) -> dict:
-    """Text embeddings for each prompt (computed once per prompt; index them to repeat for a group). The text encoders
-    visit the transformer's device for the call and go back to the CPU afterwards."""
+def encode_prompts(pipe, kind: str, prompts: list[str], *, max_sequence_length: int, cfg: float = 1.0,
+                   chunk: int = 16) -> dict:
+    """Text embeddings of each prompt (index them to repeat a prompt for its group), `chunk` prompts at a
+    time; the text encoders visit the transformer's device once per call."""
     device = pipe.transformer.device
-    encoders = [m for m in (pipe.text_encoder, pipe.text_encoder_2, getattr(pipe, "text_encoder_3", None)) if m is not None]
+    encoders = [m for m in (pipe.text_encoder, pipe.text_encoder_2, getattr(pipe, "text_encoder_3", None))
+                if m is not None]
     for m in encoders:
         m.to(device)
     try:
-        if len(prompts) > 16 and device.type == "cuda":  # an evaluation's prompts: 16 at a time through T5
-            parts = [encode_prompts(pipe, kind, prompts[i:i + 16], max_sequence_length, cfg) for i in range(0, len(prompts), 16)]
-            return {k: torch.cat([part[k] for part in parts]) for k in parts[0]}
-        if kind == "flux":
-            embeds, pooled, _ = pipe.encode_prompt(prompts, prompt_2=None, device=device,
-                                                   max_sequence_length=max_sequence_length)
-            return {"embeds": embeds, "pooled": pooled}
-        embeds, neg, pooled, neg_pooled = pipe.encode_prompt(
-            prompts, prompts, prompts, device=device, do_classifier_free_guidance=cfg > 1, negative_prompt="",
-            negative_prompt_2="", negative_prompt_3="", max_sequence_length=max_sequence_length)
-        return {"embeds": embeds, "pooled": pooled, **({"neg_embeds": neg, "neg_pooled": neg_pooled} if cfg > 1 else {})}
+        parts = []
+        for start in range(0, len(prompts), chunk):
+            batch = prompts[start:start + chunk]
+            if kind == "flux":
+                embeds, pooled, _ = pipe.encode_prompt(batch, prompt_2=None, device=device,
+                                                       max_sequence_length=max_sequence_length)
+                parts.append({"embeds": embeds, "pooled": pooled})
+                continue
+            embeds, neg, pooled, neg_pooled = pipe.encode_prompt(
+                batch, batch, batch, device=device, do_classifier_free_guidance=cfg > 1, negative_prompt="",
+                negative_prompt_2="", negative_prompt_3="", max_sequence_length=max_sequence_length)
+            parts.append({"embeds": embeds, "pooled": pooled})
+            if cfg > 1:
+                parts[-1].update(neg_embeds=neg, neg_pooled=neg_pooled)
+        return {k: torch.cat([part[k] for part in parts]) for k in parts[0]}
     finally:
         for m in encoders:
             m.to("cpu")
 
 
 def select(emb: dict, index) -> dict:
-    """Rows `index` of every tensor in an embedding dict (e.g. repeat each prompt for its group)."""
+    """Rows `index` of every tensor of an embedding dict (e.g. each prompt repeated for its group)."""
     return {k: v[index] for k, v in emb.items()}
 
 
 def velocity(transformer, kind: str, x, sigma, emb: dict, guidance: float = 1.0):
-    """Model velocity v(x, sigma) for latents x [B, C, H, W]. Hides Flux packing, position ids and the guidance
-    embedding (timestep = sigma), and SD3's classifier-free guidance (timestep = 1000 sigma, batch [negative; positive])."""
+    """The model's velocity v(x, sigma) for latents x [B, C, H, W]. Hides Flux's packing, position ids and
+    guidance embedding (timestep sigma), and SD3's classifier-free guidance (timestep 1000 sigma, [neg;
+    pos])."""
     from diffusers import FluxPipeline
 
     NFE["count"] += x.shape[0]
     b, c, h, w = x.shape
     dtype = next(transformer.parameters()).dtype
-    t = torch.as_tensor(sigma, dtype=torch.float32).to(x.device).expand(b).contiguous()  # float32, not the weights' dtype
+    t = torch.as_tensor(sigma, dtype=torch.float32).to(x.device).expand(b).contiguous()  # float32, not bf16
     if kind == "flux":
         packed = FluxPipeline._pack_latents(x.to(dtype), b, c, h, w)
         img_ids = FluxPipeline._prepare_latent_image_ids(b, h // 2, w // 2, x.device, dtype)
         txt_ids = torch.zeros(emb["embeds"].shape[1], 3, device=x.device, dtype=dtype)
-        g = torch.full((b,), guidance, device=x.device, dtype=dtype) if transformer.config.guidance_embeds else None
-        out = transformer(hidden_states=packed, timestep=t, guidance=g, pooled_projections=emb["pooled"].to(dtype),
-                          encoder_hidden_states=emb["embeds"].to(dtype), txt_ids=txt_ids, img_ids=img_ids,
-                          return_dict=False)[0]
+        g = None
+        if transformer.config.guidance_embeds:
+            g = torch.full((b,), guidance, device=x.device, dtype=dtype)
+        embeds, pooled = emb["embeds"].to(dtype), emb["pooled"].to(dtype)
+        out = transformer(hidden_states=packed, timestep=t, guidance=g, encoder_hidden_states=embeds,
+                          pooled_projections=pooled, txt_ids=txt_ids, img_ids=img_ids, return_dict=False)[0]
         return out.view(b, h // 2, w // 2, c, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(b, c, h, w)
     cfg = "neg_embeds" in emb and guidance > 1
     embeds = torch.cat([emb["neg_embeds"], emb["embeds"]]) if cfg else emb["embeds"]
     pooled = torch.cat([emb["neg_pooled"], emb["pooled"]]) if cfg else emb["pooled"]
-    out = transformer(hidden_states=torch.cat([x, x]).to(dtype) if cfg else x.to(dtype),
-                      timestep=torch.cat([t, t]) * 1000 if cfg else t * 1000, encoder_hidden_states=embeds.to(dtype),
-                      pooled_projections=pooled.to(dtype), return_dict=False)[0]
+    hidden, timestep = (torch.cat([x, x]), torch.cat([t, t]) * 1000) if cfg else (x, t * 1000)
+    out = transformer(hidden_states=hidden.to(dtype), timestep=timestep,
+                      encoder_hidden_states=embeds.to(dtype), pooled_projections=pooled.to(dtype),
+                      return_dict=False)[0]
     if cfg:
         uncond, cond = out.chunk(2)
         out = uncond + guidance * (cond - uncond)
     return out
 
 
+def velocities(transformer, kind: str, x, sigma, emb: dict, *, rows, chunks, guidance: float):
+    """velocity() of every row of x, one forward per chunk of rows; row n uses embedding emb[rows[n]]."""
+    parts = [velocity(transformer, kind, x[c], sigma, select(emb, rows[c]), guidance) for c in chunks]
+    return torch.cat(parts)
+
+
 @torch.no_grad()
-def decode(pipe, latents, batch: int = 4) -> torch.Tensor:
-    """Latents -> float images in [0, 1], [B, 3, H, W]; on a GPU `batch` latents per VAE call (the decoder's
-    temporaries, not its weights, dominate at 512-720 px)."""
+def ode_complete(transformer, kind: str, x, paths: list, sigmas, emb: dict, *, guidance: float,
+                 micro_batch: int, v_first=None, emb_index=None):
+    """Integrate the ODE from each start x[n] (embedding row emb_index[n], default n) along the schedule
+    indices paths[r], r = n, n + N, ... The velocity at a start is evaluated once (or taken from `v_first`)
+    and shared by all its paths; later steps batch every row still moving, whatever its path."""
+    n, reps = len(x), len(paths) // len(x)
+    start = torch.arange(n).repeat(reps)  # row -> its start
+    emb_index = torch.arange(n) if emb_index is None else emb_index.cpu()
+    if v_first is None and max(map(len, paths)) > 1:
+        s0 = sigmas[[p[0] for p in paths[:n]]]
+        v_first = torch.cat([velocity(transformer, kind, x[c], s0[c], select(emb, emb_index[c].to(x.device)),
+                                      guidance).float() for c in torch.arange(n).split(micro_batch)])
+    x = x.float().repeat(reps, *[1] * (x.ndim - 1))
+    for k in range(max(map(len, paths)) - 1):
+        live = [r for r, p in enumerate(paths) if len(p) > k + 1]
+        rows = torch.tensor(live, dtype=torch.long)
+        s = sigmas[[paths[r][k] for r in live]]
+        ds = (sigmas[[paths[r][k + 1] for r in live]] - s).to(x.device).view(-1, *[1] * (x.ndim - 1))
+        if k == 0:
+            v = v_first[start[rows]].float()
+        else:
+            parts = []
+            for c in torch.arange(len(rows)).split(micro_batch):
+                e = select(emb, emb_index[start[rows[c]]].to(x.device))
+                parts.append(velocity(transformer, kind, x[rows[c]], s[c], e, guidance).float())
+            v = torch.cat(parts)
+        x[rows] = x[rows] + v * ds  # Euler step dx = v dt
+    return x
+
+
+@torch.no_grad()
+def decode(pipe, latents, *, batch: int = 4) -> torch.Tensor:
+    """Latents -> float images in [0, 1], [B, 3, H, W]; on a GPU `batch` latents per VAE call."""
     cfg = pipe.vae.config
     z = (latents / cfg.scaling_factor + (cfg.shift_factor or 0.0)).to(pipe.vae.dtype)
-    images = torch.cat([pipe.vae.decode(c, return_dict=False)[0] for c in z.split(batch if z.is_cuda else len(z))])
+    parts = z.split(batch if z.is_cuda else len(z))
+    images = torch.cat([pipe.vae.decode(c, return_dict=False)[0] for c in parts])
     return ((images.float() + 1) / 2).clamp(0, 1)
 
 
-def make_trainable(transformer, kind: str, lora_rank: int, lora_alpha: float, full_finetune: bool, reference: bool,
-                   sharded: bool = False, amp=None, checkpointing: bool = False):
-    """LoRA adapters (peft, gaussian init) on the attention (and for Flux, MLP) projections, or full fine-tuning.
-    Returns the trainable parameters (float32) and, if `reference` and fully fine-tuning, a frozen copy of the initial
-    transformer (a LoRA run's reference is the same transformer with its adapter disabled). `sharded`: FSDP2 (`shard`)
-    for the policy and the reference alike; the float32 master weights are made after sharding, from the local shards
-    only, so no GPU ever holds a full float32 copy. `checkpointing`: diffusers' per-block activation checkpointing."""
+def make_trainable(transformer, kind: str, *, lora_rank: int, lora_alpha: float, full_finetune: bool,
+                   reference: bool, sharded: bool = False, compute_dtype=None, checkpointing: bool = False):
+    """LoRA adapters (peft, gaussian init) on the attention (Flux: and MLP) projections, or full fine-tuning.
+    Returns ({name: trainable float32 parameter}, the reference: with `reference` and full fine-tuning a
+    frozen copy of the initial transformer, else None, see as_reference). `sharded`: FSDP2 for both, the
+    float32 master weights made from the local shards after sharding. `checkpointing`: per-block activation
+    checkpointing."""
     import copy
 
     ref = copy.deepcopy(transformer).requires_grad_(False) if reference and full_finetune else None
@@ -278,30 +364,39 @@ def make_trainable(transformer, kind: str, lora_rank: int, lora_alpha: float, fu
                                            target_modules=LORA_TARGETS[kind]))
     if sharded:
         for model in [transformer] + ([ref] if ref is not None else []):
-            shard(model, amp)
+            shard(model, param_dtype=compute_dtype)
         transformer.float()  # each rank's shards only
-    params = [p for p in transformer.parameters() if p.requires_grad]
-    for p in params if not sharded else []:
-        p.data = p.data.float()
+    params = {n: p for n, p in transformer.named_parameters() if p.requires_grad}
+    if not sharded:
+        for p in params.values():
+            p.data = p.data.float()
     return params, ref
 
 
-def shard(model, amp=None, mesh=None):
-    """FSDP2: one fully_shard per transformer block, then the root; forwards gather `amp` (bf16) weights, gradients are
-    reduced in float32."""
+def transformer_blocks(model) -> list:
+    """The blocks of a Flux (double- and single-stream) or SD3 transformer, in order."""
+    return [*model.transformer_blocks, *getattr(model, "single_transformer_blocks", [])]
+
+
+def shard(model, *, param_dtype=None, mesh=None):
+    """FSDP2: one fully_shard per block, then the root; forwards gather `param_dtype` (bf16) weights,
+    gradients reduce in float32. Only the root casts forward inputs: the blocks see RoPE and the time
+    embedding exactly as an unsharded model's blocks."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    policy = MixedPrecisionPolicy(param_dtype=amp, reduce_dtype=torch.float32)
-    for block in [*model.transformer_blocks, *getattr(model, "single_transformer_blocks", [])]:
-        fully_shard(block, mp_policy=policy, mesh=mesh)
-    fully_shard(model, mp_policy=policy, mesh=mesh)
+    root = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    blocks = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32,
+                                  cast_forward_inputs=False)
+    for block in transformer_blocks(model):
+        fully_shard(block, mp_policy=blocks, mesh=mesh)
+    fully_shard(model, mp_policy=root, mesh=mesh)
 
 
 @contextlib.contextmanager
-def gathered(transformer, sharded: bool):
-    """Keep a sharded transformer's blocks gathered (in their compute dtype) for a run of no-grad forwards, e.g. a
-    rollout, instead of all-gathering every block's weights again at every forward; reshard afterwards."""
-    blocks = [*transformer.transformer_blocks, *getattr(transformer, "single_transformer_blocks", [])] if sharded else []
+def gathered(transformer, *, sharded: bool):
+    """Keep a sharded transformer's blocks gathered for a run of no-grad forwards (a rollout) instead of
+    all-gathering every block at every forward; reshard afterwards."""
+    blocks = transformer_blocks(transformer) if sharded else []
     for b in blocks:
         b.set_reshard_after_forward(False)
         b.unshard()
@@ -313,124 +408,102 @@ def gathered(transformer, sharded: bool):
             b.set_reshard_after_forward(True)
 
 
+def forget_forwards(model):
+    """FSDP2 records each forward for the next backward's prefetching; a reference model never runs backward,
+    so its record would grow by an entry per block and forward all run long: clear it."""
+    state = model._get_fsdp_state() if hasattr(model, "_get_fsdp_state") else None
+    if state is None or state._comm_ctx is None:
+        return
+    state._comm_ctx.post_forward_order.clear()
+    for module in [model, *transformer_blocks(model)]:
+        for group in module._get_fsdp_state()._fsdp_param_groups:
+            group._post_forward_indices.clear()
+
+
 @contextlib.contextmanager
-def adapters_disabled(transformer, enabled: bool = True):
-    """The reference (pre-RL) model of a LoRA run: the same transformer with its adapter switched off."""
-    if enabled:
-        transformer.disable_adapters()
+def as_reference(transformer, frozen=None):
+    """The reference (pre-RL) model: the frozen copy of a fully fine-tuned run, else the same transformer with
+    its LoRA adapter switched off."""
+    if frozen is not None:
+        try:
+            yield frozen
+        finally:
+            forget_forwards(frozen)
+        return
+    transformer.disable_adapters()
     try:
         yield transformer
     finally:
-        if enabled:
-            transformer.enable_adapters()
+        transformer.enable_adapters()
 
 
-def reference_kl(ref, kind: str, x, sigmas, i: int, emb: dict, guidance: float, noise_level: float, prev_sample, form: str,
-                 mean, std: float, lora: bool, exact: bool = False):
-    """KL between the policy's and the reference model's Gaussian steps from x, per-element mean of |mu - mu_ref|^2
-    divided by 2 std_dev_t^2 (Flow-GRPO's code: std_dev_t = std / sqrt(-dt), without the step's sqrt(-dt)) or, if
-    `exact`, by 2 std^2 (the Gaussian KL of the papers' formula: the official value divided by |dt|). The reference
-    is the same transformer with its LoRA adapter off (`lora`) or a frozen copy."""
-    if std == 0:
-        fail(f"--beta > 0 needs noise at every trained step (the KL divides by its variance); step {i} has none")
-    with torch.no_grad(), adapters_disabled(ref, lora):
-        v_ref = velocity(ref, kind, x, sigmas[i], emb, guidance)
-    mean_ref = sde_step(v_ref, x, sigmas, i, noise_level, prev_sample=prev_sample, form=form)[2]
-    var = std**2 if exact else std**2 / float(sigmas[i] - sigmas[i + 1])
-    return ((mean - mean_ref) ** 2).mean(dim=tuple(range(1, x.ndim))).mean() / (2 * var)
+# ======== 3. Rewards (each fn(images [B, 3, H, W] in [0, 1], prompts) -> float32 [B]) and prompts ========
+@dataclasses.dataclass
+class RewardModels:
+    """Where the reward models come from: local paths, or hub ids when the machine is online."""
+
+    hps_checkpoint: str = "xswu/HPSv2:HPS_v2.1_compressed.pt"
+    """HPS-v2.1: a local HPS_v2.1_compressed.pt or a hub file (repo:filename)"""
+    clip_model: str = "hf-hub:apple/DFN5B-CLIP-ViT-H-14-384"
+    """CLIP score: a local open_clip directory (open_clip_config.json and weights) or hf-hub:..."""
+    pickscore_model: str = "yuvalkirstain/PickScore_v1"
+    """PickScore: a transformers CLIPModel directory or hub id"""
+    pickscore_processor: str = "laion/CLIP-ViT-H-14-laion2B-s32B-b79K"
+    """PickScore: its processor's directory or hub id"""
+    imagereward_checkpoint: str = "THUDM/ImageReward:ImageReward.pt"
+    """ImageReward: a local ImageReward.pt or a hub file"""
+    imagereward_med_config: str = "THUDM/ImageReward:med_config.json"
+    """ImageReward: its BERT configuration med_config.json, a local file or a hub file"""
+    imagereward_tokenizer: str = "bert-base-uncased"
+    """ImageReward: a BERT tokenizer directory or hub id"""
+    aesthetic_head: str = "camenduru/improved-aesthetic-predictor:sac+logos+ava1-l14-linearMSE.pth"
+    """aesthetic: the LAION predictor's head, a local .pth or a hub file"""
+    aesthetic_clip: str = "openai/clip-vit-large-patch14"
+    """aesthetic: the CLIP ViT-L/14 whose image embedding it scores (a directory or hub id)"""
+    unifiedreward_url: str | None = None
+    """UnifiedReward: an OpenAI-compatible server (sglang, vLLM) serving it, e.g. http://127.0.0.1:17140"""
+    unifiedreward_model: str = "UnifiedReward-7b-v1.5"
+    """UnifiedReward: the model name that server serves"""
 
 
-# ======== 4. Rewards: each is fn(images [B, 3, H, W] in [0, 1], prompts) -> tensor [B] ========
+LEARNED = ["hps", "clip", "pickscore", "imagereward", "aesthetic", "unifiedreward"]  # rewards.py's models
+REWARDS = LEARNED + ["jpeg", "toy_color_position", "toy_shape_count", "toy_strict"]
+REWARD_SOURCES = {  # the RewardModels fields each reward reads
+    "hps": ["hps_checkpoint"], "clip": ["clip_model"], "aesthetic": ["aesthetic_head", "aesthetic_clip"],
+    "pickscore": ["pickscore_model", "pickscore_processor"],
+    "imagereward": ["imagereward_checkpoint", "imagereward_med_config", "imagereward_tokenizer"]}
+
+
+def is_local_path(spec: str) -> bool:
+    """A reward model location meant as a local path (not 'owner/name', 'owner/name:file', 'hf-hub:...')."""
+    if spec.startswith(("hf-hub:", "http://", "https://")):
+        return False
+    repo = spec.split(":")[0]
+    return spec.startswith((".", "/", "~")) or repo.count("/") > 1 or repo.endswith((".pt", ".pth", ".json"))
+
+
+def check_rewards(names, models: RewardModels):
+    """Unknown reward names and local reward files that do not exist, as one-line errors, before any model
+    loads."""
+    for name in names:
+        if name not in REWARDS:
+            fail(f"unknown reward {name!r}; choose from {REWARDS}")
+        if name == "unifiedreward" and not models.unifiedreward_url:
+            fail("the unifiedreward reward needs --unifiedreward-url, the address of a server that serves it")
+        for field in REWARD_SOURCES.get(name, []):
+            spec = getattr(models, field)
+            if is_local_path(spec) and not os.path.exists(os.path.expanduser(spec)):
+                flag = "--" + field.replace("_", "-")
+                fail(f"{flag} {spec!r} does not exist; pass an existing path or a hub id")
+
+
 def load_safely(path: str):
-    """Weights from safetensors or a pickle read with weights_only=True (a downloaded pickle cannot run code)."""
+    """Weights from safetensors, or a pickle read with weights_only=True (a downloaded pickle cannot run
+    code)."""
     if path.endswith(".safetensors"):
         from safetensors.torch import load_file
         return load_file(path)
     return torch.load(path, map_location="cpu", weights_only=True)
-
-
-def _clip_preprocess(images, size: int, mean, std, pad_square: bool):
-    """Resize (longest side to `size` and pad, as HPS does; or shortest side and centre-crop), then normalise."""
-    import torch.nn.functional as F
-
-    h, w = images.shape[-2:]
-    scale = size / (max(h, w) if pad_square else min(h, w))
-    nh, nw = max(1, round(h * scale)), max(1, round(w * scale))
-    x = F.interpolate(images.float(), size=(nh, nw), mode="bicubic", align_corners=False, antialias=True).clamp(0, 1)
-    if pad_square:
-        x = F.pad(x, (0, size - nw, 0, size - nh))
-    else:
-        top, left = (nh - size) // 2, (nw - size) // 2
-        x = x[..., top:top + size, left:left + size]
-    return (x - torch.tensor(mean).view(1, 3, 1, 1).to(x)) / torch.tensor(std).view(1, 3, 1, 1).to(x)
-
-
-def open_clip_reward(name: str, device, checkpoint: str | None = None, pad_square: bool = False, dtype=torch.float32):
-    """Cosine of L2-normalised open_clip image and text features (no logit scale), the model held and run in `dtype`.
-    `name`: an architecture ('ViT-H-14', built without pretrained weights), 'hf-hub:...' or a local directory with
-    open_clip_config.json; `checkpoint`: a state_dict loaded strictly on top (HPS)."""
-    import open_clip
-
-    name = f"local-dir:{name}" if os.path.isdir(name) else name
-    try:
-        model = open_clip.create_model(name, pretrained=None)
-    except Exception as e:
-        fail(f"cannot load open_clip model {name!r} ({str(e).splitlines()[0][:200]}); pass a local directory")
-    if checkpoint:
-        state = load_safely(checkpoint)
-        model.load_state_dict(state.get("state_dict", state), strict=True)
-    model.eval().requires_grad_(False).to(device, dtype)
-    size, cfg = model.visual.image_size, open_clip.get_model_preprocess_cfg(model)  # the model's own mean / std
-    size, tokenizer = (size[0] if isinstance(size, (tuple, list)) else size), open_clip.get_tokenizer(name)
-
-    @torch.no_grad()
-    def score(images, prompts):
-        x = _clip_preprocess(images.to(device), size, cfg["mean"], cfg["std"], pad_square).to(dtype)
-        img = torch.nn.functional.normalize(model.encode_image(x).float(), dim=-1)
-        txt = torch.nn.functional.normalize(model.encode_text(tokenizer(list(prompts)).to(device)).float(), dim=-1)
-        return (img * txt).sum(-1)
-
-    return score
-
-
-def hps_reward(checkpoint: str, device, arch: str = "ViT-H-14", dtype=torch.float32):
-    """HPS-v2.1 as the hpsv2 package computes it, without that package: open_clip ViT-H-14 (no pretrained tag), a
-    strict load of HPS_v2.1_compressed.pt's state_dict, longest side resized to 224 and padded, cosine similarity."""
-    if not os.path.isfile(checkpoint):
-        repo, _, filename = checkpoint.partition(":")
-        from huggingface_hub import hf_hub_download
-        try:
-            checkpoint = hf_hub_download(repo, filename or "HPS_v2.1_compressed.pt")
-        except Exception as e:
-            fail(f"HPS checkpoint {checkpoint!r} is neither a local file nor downloadable ({type(e).__name__}); "
-                 f"pass --hps-checkpoint /path/to/HPS_v2.1_compressed.pt")
-    return open_clip_reward(arch, device, checkpoint, pad_square=True, dtype=dtype)
-
-
-def pickscore_reward(model_path: str, processor_path: str, device, dtype=torch.float32):
-    """PickScore as in Flow-GRPO: logit_scale.exp() * cos(text, image) / 26 (transformers CLIPModel)."""
-    from transformers import AutoProcessor, CLIPModel
-
-    try:
-        processor = AutoProcessor.from_pretrained(processor_path)
-        model = CLIPModel.from_pretrained(model_path).eval().requires_grad_(False).to(device, dtype)
-    except Exception as e:
-        fail(f"cannot load PickScore from {model_path!r} / {processor_path!r} ({type(e).__name__}); "
-             f"pass --pickscore-model and --pickscore-processor local directories")
-    ip = processor.image_processor
-    size = ip.crop_size if isinstance(ip.crop_size, int) else ip.crop_size["height"]
-
-    @torch.no_grad()
-    def score(images, prompts):
-        x = _clip_preprocess(images.to(device), size, ip.image_mean, ip.image_std, False).to(dtype)
-        tok = processor.tokenizer(list(prompts), padding="max_length", truncation=True, max_length=77,
-                                  return_tensors="pt").to(device)
-        feats = lambda out: (out if torch.is_tensor(out) else out.pooler_output).float()  # noqa: E731 (transformers 4 / 5)
-        img = torch.nn.functional.normalize(feats(model.get_image_features(pixel_values=x)), dim=-1)
-        txt = torch.nn.functional.normalize(feats(model.get_text_features(**tok)), dim=-1)
-        return model.logit_scale.exp().float() * (img * txt).sum(-1) / 26
-
-    return score
 
 
 def jpeg_compressibility(images, prompts):
@@ -445,29 +518,19 @@ def jpeg_compressibility(images, prompts):
     return -torch.tensor(sizes) / 500
 
 
-TOY_REWARDS = ["toy_color_position", "toy_shape_count", "toy_strict"]  # exact rewards of the toy world (toy/world.py)
-REWARDS = ["hps", "clip", "pickscore", "jpeg"] + TOY_REWARDS
-
-
-def load_rewards(names, device, hps_checkpoint=None, clip_model=None, pickscore_model=None, pickscore_processor=None,
-                 hps_arch="ViT-H-14", dtype=torch.float32) -> dict:
-    """{name: fn(images, prompts) -> tensor [B]} for each requested reward, loaded once, the models held and run in
-    `dtype` (bf16 on GPUs: scores within ~1e-2 of float32, see tests/test_rewards.py). Weights come from the given
-    local paths, else from the hub: xswu/HPSv2, apple/DFN5B-CLIP-ViT-H-14-384, yuvalkirstain/PickScore_v1."""
+def load_rewards(names, device, *, models: RewardModels, dtype=torch.float32) -> dict:
+    """{name: fn(images, prompts) -> float32 [B]} for each named reward, loaded once: the towers held and run
+    in `dtype` (bf16 on GPUs), every projection, scale and head in float32 (README: reward precision)."""
+    check_rewards(names, models)
     out = {}
-    for name in names:
-        if name not in REWARDS:
-            fail(f"unknown reward {name!r}; choose from {REWARDS}")
-        if name == "hps":
-            out[name] = hps_reward(hps_checkpoint or "xswu/HPSv2:HPS_v2.1_compressed.pt", device, hps_arch, dtype)
-        elif name == "clip":  # CLIP score (MixGRPO, G2RPO)
-            out[name] = open_clip_reward(clip_model or "hf-hub:apple/DFN5B-CLIP-ViT-H-14-384", device, dtype=dtype)
-        elif name == "pickscore":
-            out[name] = pickscore_reward(pickscore_model or "yuvalkirstain/PickScore_v1",
-                                         pickscore_processor or "laion/CLIP-ViT-H-14-laion2B-s32B-b79K", device, dtype)
+    for name in dict.fromkeys(names):
+        if name in LEARNED:  # the reward models' ports live in rewards.py (README: layout)
+            import rewards
+
+            out[name] = rewards.load(name, device, models=models, dtype=dtype)
         elif name == "jpeg":
             out[name] = jpeg_compressibility
-        else:
+        else:  # the toy world's exact rewards (toy/world.py)
             from toy import world
 
             out[name] = getattr(world, {"toy_strict": "toy_strict_accuracy"}.get(name, name + "_reward"))
@@ -476,7 +539,8 @@ def load_rewards(names, device, hps_checkpoint=None, clip_model=None, pickscore_
 
 @torch.no_grad()
 def score(rewards: dict, images, prompts) -> dict:
-    """{name: float tensor [B] on CPU}; a NaN or infinite reward is an error, never silently trained on."""
+    """{name: float tensor [B] on the CPU}; a NaN or infinite reward is an error, never silently trained
+    on."""
     out = {}
     for name, fn in rewards.items():
         r = fn(images, prompts).float().cpu()
@@ -486,76 +550,109 @@ def score(rewards: dict, images, prompts) -> dict:
     return out
 
 
-def load_prompt_set(path: str, split: str = "train") -> list[str]:
-    """Prompts from a text file, one per line (blank lines skipped), a .jsonl file with a "prompt" field per line
-    (Flow-GRPO's GenEval metadata), or 'toy': the toy world's grammar."""
+def load_prompt_set(path: str, *, split: str = "train") -> list[str]:
+    """Prompts from a text file, one per line (blank lines skipped), a .jsonl file with a "prompt" field per
+    line (Flow-GRPO's GenEval metadata), or 'toy': the toy world's grammar."""
     if path == "toy":
         from toy.world import toy_prompts
         return toy_prompts(4096 if split == "train" else 1024, seed=0 if split == "train" else 1)
     if not os.path.isfile(path):
-        fail(f"prompt file {path!r} does not exist; README 'Prompt sets' says where each paper's prompts come from "
-             f"(or pass any text file with one prompt per line)")
-    with open(path, encoding="utf-8") as f:
-        prompts = [json.loads(line)["prompt"] if path.endswith(".jsonl") else line.strip() for line in f if line.strip()]
+        fail(f"prompt file {path!r} does not exist; README 'Prompt sets' says where each paper's prompts "
+             f"come from (or pass any text file with one prompt per line)")
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = [line.strip() for line in f if line.strip()]
+        prompts = [json.loads(line)["prompt"] for line in lines] if path.endswith(".jsonl") else lines
+    except UnicodeDecodeError as e:
+        fail(f"prompt file {path!r} is not UTF-8 text (byte {e.start}); save it as UTF-8, a prompt per line")
+    except (json.JSONDecodeError, KeyError, TypeError):
+        fail(f"prompt file {path!r}: each line of a .jsonl file must be a JSON object with a prompt field")
     if not prompts:
         fail(f"prompt file {path!r} is empty; it needs at least one prompt (one per line)")
     return prompts
 
 
-# ======== 5. Advantages ========
-def group_advantages(rewards, eps: float, unbiased: bool, global_std: bool = False):
-    """GRPO advantages for rewards [P, G] (P groups of G): (r - group mean) / (std + eps), with the std per group or
-    over all P*G rewards. A group whose rewards are all equal gets exactly zero advantage (never NaN or eps-blown)."""
-    r = rewards.double()
-    centred = r - r.mean(dim=1, keepdim=True)
-    std = r.std(unbiased=unbiased) if global_std else r.std(dim=1, keepdim=True, unbiased=unbiased)
-    adv = centred / (std + eps)
-    flat = (r.max(dim=1, keepdim=True).values == r.min(dim=1, keepdim=True).values)
-    return torch.where(flat, torch.zeros_like(adv), adv).float()
+# ======== 4. Run plumbing: arguments, distribution, logging, EMA, checkpoints ========
+TOY_WORLD = dict(  # the part of every file's TOY preset that describes the toy world itself
+    model="toy", mixed_precision="no", resolution=32, max_sequence_length=16, guidance=3.5, prompts="toy",
+    eval_prompts="toy", rewards=("toy_color_position", "toy_shape_count"), eval_rewards=("toy_strict",),
+    reward_combine="advantages", num_steps=16, eval_steps=16, group_size=12, micro_batch=48,
+    full_finetune=True, gradient_checkpointing=False, ema=False, num_iterations=60, eval_every=20,
+    eval_num=256, save_every=20, log_images_every=20)
 
 
-def combine_advantages(rewards: dict, weights: dict, mode: str, eps: float, unbiased: bool, global_std: bool,
-                       clip: float):
-    """Several rewards -> one advantage [P, G]. mode "advantages": normalise each reward separately, then take the
-    weighted sum (DanceGRPO / G2RPO); mode "rewards": normalise the weighted sum of rewards (Flow-GRPO). Clip to +-clip."""
-    if mode == "advantages":
-        adv = sum(weights[n] * group_advantages(r, eps, unbiased, global_std) for n, r in rewards.items())
-    elif mode == "rewards":
-        adv = group_advantages(sum(weights[n] * r for n, r in rewards.items()), eps, unbiased, global_std)
-    else:
-        fail(f"reward combination {mode!r} is not known; use 'advantages' or 'rewards'")
-    return adv.clamp(-clip, clip)
+def parse_args(args_class, *, toy: dict, description: str):
+    """The command line parsed by tyro. With --model toy the TOY preset gives the defaults, so flags passed
+    explicitly still win and --help shows the preset's values; `--help | head` exits quietly."""
+    import tyro
+
+    argv = sys.argv[1:]
+    wants_toy = "--model=toy" in argv or any(a == "--model" and b == "toy" for a, b in zip(argv, argv[1:]))
+    default = dataclasses.replace(args_class(), **toy) if wants_toy else args_class()
+    if wants_toy:
+        description += " (--model toy: the defaults below are the file's TOY preset)"
+    try:
+        return tyro.cli(args_class, default=default, description=description)
+    except SystemExit:
+        with contextlib.suppress(BrokenPipeError):
+            sys.stdout.flush()
+        raise
+    except BrokenPipeError:  # --help piped into a program that stopped reading
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(0)
 
 
-def clipped_policy_loss(log_prob, old_log_prob, advantages, clip_range: float, kl=None, beta: float = 0.0):
-    """PPO-clip surrogate on per-step log-probs, mean(max(-A r, -A clip(r, 1 - eps, 1 + eps))) with r = exp(logp - logp_old),
-    plus beta * kl. Also returns logging sums [ratio, clipped, approx_kl, policy loss, kl, count] and max |r - 1|."""
-    ratio = torch.exp(log_prob - old_log_prob)
-    policy = torch.max(-advantages * ratio, -advantages * ratio.clamp(1 - clip_range, 1 + clip_range)).mean()
-    kl = torch.zeros_like(policy) if kl is None else kl
-    r, d, n = ratio.detach(), (log_prob - old_log_prob).detach(), len(ratio)
-    sums = torch.stack([r.sum(), ((r - 1).abs() > clip_range).float().sum(), (0.5 * d**2).sum(), policy.detach() * n,
-                        kl.detach() * n, torch.tensor(float(n), device=r.device)])
-    return policy + beta * kl, sums, (r - 1).abs().max()
+def check_common_args(args, world: int):
+    """The checks every algorithm file shares (its own follow in its check_args); nothing here loads a
+    model."""
+    if args.group_size < 2:
+        fail(f"--group-size {args.group_size} is not allowed; GRPO needs at least 2 images per prompt")
+    if args.noise_level < 0:
+        fail(f"--noise-level {args.noise_level} is not allowed; use a value >= 0")
+    if args.num_steps < 1 or args.eval_steps < 1:
+        fail(f"--num-steps {args.num_steps} / --eval-steps {args.eval_steps}: both must be >= 1")
+    if args.prompts_per_iteration < world or args.prompts_per_iteration % world:
+        fail(f"--prompts-per-iteration {args.prompts_per_iteration} is not a positive multiple of the world "
+             f"size {world}")
+    if args.micro_batch < 1:
+        fail(f"--micro-batch {args.micro_batch} is not allowed; use >= 1")
+    if args.reward_weights and len(args.reward_weights) != len(args.rewards):
+        fail(f"--reward-weights has {len(args.reward_weights)} values for {len(args.rewards)} rewards; give "
+             f"one per reward")
+    if args.eval_every and args.eval_num < 1:
+        fail(f"--eval-num {args.eval_num} is not allowed; use >= 1 (held-out pairs per evaluation)")
+    if args.ema_every < 1 or args.keep_checkpoints < 0:
+        fail(f"--ema-every {args.ema_every} / --keep-checkpoints {args.keep_checkpoints}: use >= 1 / >= 0")
+    if args.ema and args.full_finetune and world > 1:
+        fail("--ema is not supported with sharded full fine-tuning (world size > 1); pass --no-ema")
+    check_rewards(args.rewards + args.eval_rewards, args.reward_models)
+    if args.resume and not os.path.isdir(args.resume):
+        fail(f"--resume {args.resume!r} is not a directory; pass a run directory (runs/<run_name>)")
 
 
-# ======== 6. Distributed, seeding, logging, checkpoints ========
 def setup_distributed():
     """torchrun-aware setup: NCCL on CUDA, gloo on CPU. Returns (rank, world_size, device)."""
+    import datetime
+
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
     if world > 1 and not dist.is_initialized():
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        import datetime  # a 12B-parameter checkpoint can take minutes to write while other ranks wait
-
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(hours=1))
+        # a 12B-parameter checkpoint can take minutes to write while the other ranks wait
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, timeout=datetime.timedelta(hours=1))
     return (dist.get_rank() if world > 1 else 0), world, device
 
 
+def is_main_rank() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
 def gather_cat(t: torch.Tensor) -> torch.Tensor:
-    """Concatenate equal-shaped tensors from every rank along dim 0 (identity on one process)."""
+    """Equal-shaped tensors from every rank concatenated along dim 0 in rank order (identity on one
+    process)."""
     if not dist.is_initialized():
         return t
     parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
@@ -563,74 +660,123 @@ def gather_cat(t: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts)
 
 
+def _all_reduce(values: list, op) -> list[float]:
+    nccl = dist.is_initialized() and dist.get_backend() == "nccl"
+    t = torch.tensor([float(v) for v in values], dtype=torch.float64, device="cuda" if nccl else "cpu")
+    if dist.is_initialized():
+        dist.all_reduce(t, op=op)
+    return t.tolist()
+
+
+def sum_over_ranks(values: dict) -> dict:
+    """{name: the sum over every rank} of numbers or 0-d tensors (an iteration's training statistics)."""
+    return dict(zip(values, _all_reduce(list(values.values()), dist.ReduceOp.SUM)))
+
+
+def max_over_ranks(value: float) -> float:
+    return _all_reduce([value], dist.ReduceOp.MAX)[0]
+
+
 def broadcast_object(obj):
-    """Rank 0's value of a picklable object on every rank (e.g. the run name)."""
+    """Rank 0's value of a picklable object, on every rank."""
     box = [obj]
     if dist.is_initialized():
         dist.broadcast_object_list(box, src=0)
     return box[0]
 
 
-def optimizer_step(params, optimizer, max_grad_norm: float, sharded: bool) -> float:
-    """DDP-style gradient averaging across ranks (FSDP reduces its own), norm clipping, step, zero.
-    Returns the gradient norm before clipping."""
-    for p in params if not sharded and dist.is_initialized() else []:
-        p.grad = torch.zeros_like(p) if p.grad is None else p.grad
-        dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
-    norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+def iteration_generator(seed: int, iteration: int, rank: int, stream: int = 0) -> torch.Generator:
+    """The generator of one iteration's random draws on one rank (prompts, noise), so that a resumed run
+    repeats an uninterrupted one; `stream` 1, 2, ... are further independent streams."""
+    return torch.Generator().manual_seed(seed * 100_003 + iteration * 1009 + rank + stream * 2**40)
 
 
-def seed_everything(seed: int, deterministic: bool = False):
+def seed_everything(seed: int, *, deterministic: bool = False):
     import random
 
-    random.seed(seed), torch.manual_seed(seed)  # numpy is not used for anything random here
+    random.seed(seed)
+    torch.manual_seed(seed)  # numpy draws nothing random here
     torch.backends.cudnn.deterministic = deterministic
 
 
-def make_writer(run_dir: str, args, track: bool = False, project: str = "flow-rl", rank: int = 0, resume: str | None = None):
-    """Rank 0: TensorBoard writer in runs/<run_name> (plus wandb syncing it when `track`), hyperparameters as text.
-    Resuming from the checkpoint `resume` (iteration N) first drops what the killed run logged after N: metrics.jsonl
-    rows, eval_<i>.json, samples/eval_<i>.png and TensorBoard events, so the log reads like an uninterrupted run's."""
-    if rank != 0:
+def optimizer_step(params: dict, optimizer, *, max_grad_norm: float, sharded: bool, has_gradient: bool):
+    """One optimizer step on the gradients of every rank: DDP-style averaging (FSDP2 reduces its own), norm
+    clipping, step, zero. No rank steps when no rank had a gradient (`has_gradient`: a term with a non-zero
+    advantage or a KL), so 1 and N processes take the same steps. Returns the gradient norm before clipping,
+    or None without a step; a non-finite norm stops the run before any weight or checkpoint changes."""
+    if not max_over_ranks(float(has_gradient)):
+        optimizer.zero_grad(set_to_none=True)
         return None
+    if dist.is_initialized() and not sharded:
+        for p in params.values():
+            p.grad = torch.zeros_like(p) if p.grad is None else p.grad
+            dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
+    norm = torch.nn.utils.clip_grad_norm_(list(params.values()), max_grad_norm)
+    norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    if not math.isfinite(norm):
+        fail(f"the gradient norm is {norm}; the run stops before the weights or a checkpoint change (lower "
+             f"--learning-rate, or check the rewards)")
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return norm
+
+
+def run_directory(args, *, checkpoint: str | None) -> str:
+    """The resumed checkpoint's run, or <output_dir>/<model>__<exp_name>__<seed>__<time> (rank 0's name, made
+    by rank 0)."""
+    import time
+
+    if checkpoint:
+        return os.path.dirname(os.path.dirname(checkpoint))
+    model_name = os.path.basename(args.model.rstrip("/"))
+    run_name = f"{model_name}__{args.exp_name}__{args.seed}__{int(time.time())}"
+    run_dir = broadcast_object(os.path.join(args.output_dir, run_name))
+    if is_main_rank():
+        os.makedirs(run_dir, exist_ok=True)
+    return run_dir
+
+
+def make_writer(run_dir: str, args, *, resume_iteration: int | None = None):
+    """Rank 0's TensorBoard writer (wandb syncing it with --track), the arguments as text. Resuming after
+    iteration N first drops what the killed run logged after N: metrics.jsonl rows, eval_<i>.json,
+    samples/eval_<i>.png and TensorBoard events, so that the logs read like an uninterrupted run's."""
     from torch.utils.tensorboard import SummaryWriter
 
-    done = int(os.path.basename(resume)[5:]) if resume else None  # latest_checkpoint: always .../iter_<N>
-    if done is not None and os.path.isfile(os.path.join(run_dir, "metrics.jsonl")):
-        rows = [r for r in read_jsonl(os.path.join(run_dir, "metrics.jsonl")) if r["iteration"] <= done]
-        with open(os.path.join(run_dir, "metrics.jsonl"), "w") as f:
+    done = resume_iteration
+    metrics = os.path.join(run_dir, "metrics.jsonl")
+    if done is not None and os.path.isfile(metrics):
+        rows = [r for r in read_jsonl(metrics) if r["iteration"] <= done]
+        with open(metrics, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
-        for d, name in [(d, n) for d in (run_dir, os.path.join(run_dir, "samples")) if os.path.isdir(d) for n in os.listdir(d)]:
-            if name.startswith("eval_") and name.split(".")[0][5:].isdigit() and int(name.split(".")[0][5:]) > done:
-                os.remove(os.path.join(d, name))
-
-    if track:
+        for d in (run_dir, os.path.join(run_dir, "samples")):
+            for name in os.listdir(d) if os.path.isdir(d) else []:
+                if name.startswith("eval_") and (iteration_of(name) or 0) > done:
+                    os.remove(os.path.join(d, name))
+    config = dataclasses.asdict(args)
+    if args.track:
         import wandb
 
-        wandb.init(project=project, sync_tensorboard=True, config=vars(args), name=os.path.basename(run_dir),
-                   save_code=True)
+        wandb.init(project=args.wandb_project, sync_tensorboard=True, config=config,
+                   name=os.path.basename(run_dir), save_code=True)
     writer = SummaryWriter(run_dir, purge_step=None if done is None else done + 1)
-    writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
+    table = "\n".join(f"|{k}|{v}|" for k, v in config.items())
+    writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + table)
     return writer
 
 
 def read_jsonl(path: str) -> list[dict]:
     """The rows of a JSON-lines file, without a last line that a killed process left half written."""
     rows = []
-    for line in open(path):
-        with contextlib.suppress(json.JSONDecodeError):
-            rows.append(json.loads(line))
+    with open(path) as f:
+        for line in f:
+            with contextlib.suppress(json.JSONDecodeError):
+                rows.append(json.loads(line))
     return rows
 
 
 def log_metrics(writer, run_dir: str, step: int, metrics: dict, per_sample: dict | None = None):
-    """Scalars to TensorBoard and one JSON line per call to <run_dir>/metrics.jsonl (rank 0 only); `per_sample`
-    (e.g. every evaluation pair's reward, for paired comparisons) to <run_dir>/eval_<step>.json."""
-    if writer is None:
-        return
+    """Scalars to TensorBoard and a JSON line to <run_dir>/metrics.jsonl; `per_sample` (every evaluation
+    pair's reward, for paired comparisons) to <run_dir>/eval_<step>.json. Called on rank 0."""
     for k, v in metrics.items():
         writer.add_scalar(k, v, step)
     with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
@@ -640,15 +786,230 @@ def log_metrics(writer, run_dir: str, step: int, metrics: dict, per_sample: dict
             json.dump({k: v.tolist() for k, v in per_sample.items()}, f)
 
 
+def iteration_of(name: str) -> int | None:
+    """N of a checkpoint 'iter_<N>' or an evaluation file 'eval_<N>.json' / 'eval_<N>.png', else None."""
+    stem = os.path.basename(os.path.normpath(name)).split(".")[0]
+    prefix, _, number = stem.partition("_")
+    return int(number) if prefix in ("iter", "eval") and number.isdigit() else None
+
+
+@torch.no_grad()
+def ema_update(ema: list, params: list, decay: float, step: int):
+    """EMA of the trainable weights (evaluation and the exports use it), with Flow-GRPO's warm-up: the decay
+    is min((1 + s) / (10 + s), decay) after s optimizer steps."""
+    decay = min((1 + step) / (10 + step), decay)
+    for e, p in zip(ema, params):
+        e.mul_(decay).add_(p.detach().float(), alpha=1 - decay)
+
+
+@contextlib.contextmanager
+def swapped_in(params: list, values):
+    """Temporarily load `values` (e.g. the EMA) into `params`; a no-op when values is None."""
+    values = [] if values is None else values
+    backup = [p.detach().clone() for p, _ in zip(params, values)]
+    with torch.no_grad():
+        for p, v in zip(params, values):
+            p.copy_(v)
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for p, b in zip(params, backup):
+                p.copy_(b)
+
+
+def _barrier():
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def latest_checkpoint(path: str):
+    """The newest complete checkpoint <run>/checkpoints/iter_<N> of a run directory (or `path` itself if it is
+    one), or None."""
+    path = os.path.normpath(path)
+    if os.path.isfile(os.path.join(path, "run.json")):
+        if iteration_of(path) is None or os.path.basename(os.path.dirname(path)) != "checkpoints":
+            fail(f"--resume {path!r} is not a run's checkpoints/iter_<N>; pass the run directory")
+        return path
+    root = os.path.join(path, "checkpoints")
+    names = os.listdir(root) if os.path.isdir(root) else []
+    done = [d for d in names if iteration_of(d) is not None and not d.endswith(".tmp")]
+    return os.path.join(root, max(done, key=iteration_of)) if done else None
+
+
+# what a resumed run must share with its checkpoint: the layout of the trainable weights
+FIXED_ON_RESUME = ("model", "full_finetune", "lora_rank", "lora_alpha", "ema")
+
+
+def resume_checkpoint(path: str, *, args, world: int, script: str) -> tuple[str, int]:
+    """The checkpoint to resume from (chosen on rank 0, so that every rank reads the same one) and its
+    iteration, checked before any model loads: the same algorithm file, model and trainable weights, and the
+    same world size for a sharded run. Prints every argument that differs from the checkpoint's: the new
+    values apply (e.g. --learning-rate and --weight-decay)."""
+    ckpt = broadcast_object(latest_checkpoint(path) if is_main_rank() else None)
+    if ckpt is None:
+        fail(f"--resume {path!r} holds no checkpoint; pass a run directory with checkpoints/iter_*")
+    try:
+        with open(os.path.join(ckpt, "run.json")) as f:
+            saved = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        fail(f"checkpoint {ckpt!r} cannot be read ({type(e).__name__} in run.json); resume from another one")
+    if saved["script"] != script:
+        fail(f"checkpoint {ckpt!r} was made by {saved['script']}, not {script}; resume it with that file")
+    now = json.loads(json.dumps(dataclasses.asdict(args)))  # as run.json holds them (lists, not tuples)
+    for key in FIXED_ON_RESUME:
+        if saved["args"].get(key) != now[key]:
+            fail(f"checkpoint {ckpt!r} has --{key.replace('_', '-')} {saved['args'].get(key)}, this run "
+                 f"{now[key]}; the trainable weights must match to resume")
+    sharded = args.full_finetune and world > 1
+    if saved["sharded"] != sharded or (sharded and saved["world"] != world):
+        how = "sharded" if saved["sharded"] else "unsharded"
+        fail(f"checkpoint {ckpt!r} was saved by {saved['world']} process(es) ({how}); resume it with that "
+             f"world size, not {world}")
+    changed = [f"{k} {saved['args'].get(k)} -> {v}" for k, v in now.items()
+               if k != "resume" and saved["args"].get(k) != v]
+    if changed and is_main_rank():
+        print("resuming with changed arguments: " + ", ".join(changed))
+    return ckpt, saved["iteration"]
+
+
+def save_state(path: str, *, iteration: int, transformer, optimizer, params: dict, ema, args, pipe,
+               sharded: bool, keep: int = 0):
+    """Atomic checkpoint at `path` (written to path.tmp, published by one rename): run.json (iteration,
+    script, world size, arguments), state.pt (an unsharded run's trainable weights, optimizer and EMA) or dcp/
+    (a sharded run: each rank writes its shards with torch.distributed.checkpoint), and the exported weights:
+    lora/ (diffusers, `pipe.load_lora_weights`, with its alpha) or transformer/ (diffusers; sharded: a file
+    per rank and an index, read by `<Transformer>.from_pretrained`). With an EMA the exports hold the EMA."""
+    from safetensors.torch import save_file
+
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    tmp = path + ".tmp"
+    export = os.path.join(tmp, "transformer")
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(export)
+    _barrier()
+    if sharded:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_state, optim_state = get_state_dict(transformer, optimizer)
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=os.path.join(tmp, "dcp"))
+        files = [f"diffusion_pytorch_model-{r + 1:05d}-of-{world:05d}.safetensors" for r in range(world)]
+        weight_map, mine = {}, {}
+        for k, (name, t) in enumerate(transformer.state_dict().items()):  # one tensor at a time, every rank
+            full = t.full_tensor() if hasattr(t, "full_tensor") else t
+            weight_map[name] = files[k % world]
+            if k % world == rank:
+                mine[name] = full.detach().cpu().contiguous()
+        save_file(mine, os.path.join(export, files[rank]))
+        if rank == 0:
+            config = json.loads(transformer.to_json_string())
+            config["_class_name"] = config["_class_name"].removeprefix("FSDP")  # the class FSDP2 wrapped
+            with open(os.path.join(export, "config.json"), "w") as f:
+                json.dump(config, f, indent=1)
+            with open(os.path.join(export, "diffusion_pytorch_model.safetensors.index.json"), "w") as f:
+                json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=1)
+    elif rank == 0:
+        state = {"trainable": {n: p.detach().cpu().clone() for n, p in params.items()},
+                 "optimizer": optimizer.state_dict(),
+                 "ema": dict(zip(params, (e.cpu() for e in ema))) if ema else None}
+        torch.save(state, os.path.join(tmp, "state.pt"))
+        with swapped_in(list(params.values()), ema):
+            if args.full_finetune:
+                transformer.save_config(export)
+                weights = {k: v.detach().contiguous().cpu() for k, v in transformer.state_dict().items()}
+                save_file(weights, os.path.join(export, "diffusion_pytorch_model.safetensors"))
+            else:
+                from peft.utils import get_peft_model_state_dict
+
+                os.rmdir(export)
+                adapter = transformer.peft_config["default"].to_dict()  # its alpha: loaded at full strength
+                lora = get_peft_model_state_dict(transformer)
+                type(pipe).save_lora_weights(os.path.join(tmp, "lora"), lora,
+                                             transformer_lora_adapter_metadata=adapter)
+    if rank == 0:
+        run = {"iteration": iteration, "script": os.path.basename(sys.argv[0]), "world": world,
+               "sharded": sharded, "args": dataclasses.asdict(args)}
+        with open(os.path.join(tmp, "run.json"), "w") as f:
+            json.dump(run, f, indent=1)
+    _barrier()
+    if rank == 0:
+        shutil.rmtree(path, ignore_errors=True)
+        os.replace(tmp, path)
+        root = os.path.dirname(path)
+        done = sorted((d for d in os.listdir(root) if iteration_of(d) is not None and not d.endswith(".tmp")),
+                      key=iteration_of)
+        for d in done[:-keep] if keep else []:  # a sharded FLUX.1-dev checkpoint is ~190 GB
+            shutil.rmtree(os.path.join(root, d))
+    _barrier()
+
+
+def load_state(path: str, *, transformer, optimizer, params: dict, sharded: bool, device, ema: bool,
+               learning_rate: float, weight_decay: float):
+    """Restore what save_state wrote (a sharded run: the same world size) and apply this run's learning rate
+    and weight decay to the restored optimizer. Returns the EMA (a list), or None."""
+    if sharded:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        model_state, optim_state = get_state_dict(transformer, optimizer)
+        shards = {"model": model_state, "optim": optim_state}
+        dcp.load(shards, checkpoint_id=os.path.join(path, "dcp"))  # each rank reads its own shards in place
+        set_state_dict(transformer, optimizer, model_state_dict=shards["model"],
+                       optim_state_dict=shards["optim"])
+        saved_ema = None
+    else:
+        state = load_safely(os.path.join(path, "state.pt"))
+        with torch.no_grad():
+            for n, p in params.items():
+                p.copy_(state["trainable"][n])
+        optimizer.load_state_dict(state["optimizer"])
+        saved_ema = state["ema"]
+    for group in optimizer.param_groups:
+        group["lr"], group["weight_decay"] = learning_rate, weight_decay
+    return [saved_ema[n].to(device) for n in params] if ema else None
+
+
+# ======== 5. Evaluation and reports ========
+@torch.no_grad()
+def evaluate_policy(transformer, *, pipe, kind: str, prompts: list[str], rewards: dict, num_pairs: int,
+                    sigmas, guidance: float, max_sequence_length: int, micro_batch: int, shape: tuple,
+                    sharded: bool, rank: int, world: int, device, autocast=None,
+                    first_seed: int = 10**6):
+    """ODE samples (noise 0) of the fixed held-out pairs 0 .. num_pairs - 1 (pair k: prompt k mod
+    len(prompts), noise seed first_seed + k), this rank's contiguous share of them, scored by every reward.
+    The shares are equal (the last ranks repeat the last pair, so that every rank runs the same forwards; the
+    repeats are dropped). Returns ({reward: every pair's score in pair order}, this rank's images, prompts and
+    scores)."""
+    n = -(-num_pairs // world)
+    pairs = [min(k, num_pairs - 1) for k in range(rank * n, (rank + 1) * n)]
+    local_prompts = [prompts[k % len(prompts)] for k in pairs]
+    noise = [torch.randn(*shape, generator=torch.Generator().manual_seed(first_seed + k)) for k in pairs]
+    noise = torch.stack(noise)
+    # encoded before the weights are gathered
+    emb = encode_prompts(pipe, kind, local_prompts, max_sequence_length=max_sequence_length, cfg=guidance)
+    with autocast or contextlib.nullcontext(), gathered(transformer, sharded=sharded):
+        paths = [list(range(len(sigmas)))] * len(noise)
+        x0 = ode_complete(transformer, kind, noise.to(device), paths, sigmas, emb, guidance=guidance,
+                          micro_batch=micro_batch)
+    images = torch.cat([decode(pipe, z) for z in x0.split(micro_batch)])
+    local = score(rewards, images, local_prompts)
+    scores = {k: gather_cat(v.to(device)).cpu()[:num_pairs] for k, v in local.items()}
+    return scores, images, local_prompts, local
+
+
 def image_grid(images, captions, ncols: int = 6, path: str | None = None, title: str = ""):
-    """A matplotlib figure of images [B, 3, H, W] in [0, 1] with a caption under each; saved to `path` if given."""
+    """A matplotlib figure of images [B, 3, H, W] in [0, 1], a caption above each; saved to `path` if
+    given."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     ncols = min(ncols, len(images))
-    rows, lines = math.ceil(len(images) / ncols), max(c.count("\n") + 1 for c in captions)  # caption lines above each
+    rows = math.ceil(len(images) / ncols)
+    lines = max(c.count("\n") + 1 for c in captions)
     fig, axes = plt.subplots(rows, ncols, figsize=(2.4 * ncols, (2.3 + 0.15 * lines) * rows), squeeze=False,
                              layout="constrained")
     for ax in axes.flat:
@@ -665,169 +1026,62 @@ def image_grid(images, captions, ncols: int = 6, path: str | None = None, title:
 
 
 def save_eval_grid(run_dir: str, iteration: int, images, prompts: list, scores: dict, n: int = 12):
-    """runs/<run>/samples/eval_<iteration>.png: the first n fixed evaluation pairs, captioned with prompt and rewards."""
+    """runs/<run>/samples/eval_<iteration>.png: the first n evaluation pairs with their prompts and
+    rewards."""
     captions = ["\n".join(textwrap.wrap(p, 34) + [f"{k} {v[i]:.3f}" for k, v in scores.items()])
                 for i, p in enumerate(prompts[:n])]
     image_grid(images[:n].cpu(), captions, path=os.path.join(run_dir, "samples", f"eval_{iteration}.png"),
                title=f"iteration {iteration}: ODE samples of fixed prompt / seed pairs")
 
 
-def run_summary(run_dir: str, args, kind: str, weights: dict, seconds: float) -> str:
-    """What a run did (from metrics.jsonl and eval_<i>.json): every evaluated reward at the first and the last evaluation
-    of the same fixed pairs with the change's paired standard error, time and NFE, where the samples and the checkpoint
-    are, and the lines that load it in diffusers."""
+def paired_change(before: list, after: list) -> tuple[float, float]:
+    """The mean change over the same pairs and its paired standard error."""
+    a, b = torch.tensor(before, dtype=torch.float64), torch.tensor(after, dtype=torch.float64)
+    return float((b - a).mean()), float((b - a).std() / math.sqrt(len(a)))
+
+
+def run_summary(run_dir: str, *, args, kind: str, weights: dict, seconds: float) -> str:
+    """What a run did (from metrics.jsonl and eval_<i>.json): each evaluated reward at the first and the last
+    evaluation of the same pairs with the change's paired standard error, time, NFE, the sample grids and the
+    checkpoint (absolute paths), and the lines that load the checkpoint in diffusers."""
     rows = [r for r in read_jsonl(os.path.join(run_dir, "metrics.jsonl")) if "perf/nfe_per_iteration" in r]
+    nfe = sum(r["perf/nfe_per_iteration"] for r in rows)
     out = [f"\n{args.exp_name} on {args.model}: {len(rows)} iterations in {seconds / 60:.1f} min, "
-           f"{sum(r['perf/nfe_per_iteration'] for r in rows):,.0f} transformer evaluations (NFE)"]
-    evals = sorted(int(f[5:-5]) for f in os.listdir(run_dir) if f.startswith("eval_") and f.endswith(".json"))
-    e0, e1 = (json.load(open(os.path.join(run_dir, f"eval_{i}.json"))) for i in (evals[:1] + evals[-1:])) if evals else ({}, {})
-    if len(evals) > 1 and e0.keys() == e1.keys() and len(e0[args.rewards[0]]) == len(e1[args.rewards[0]]):
-        for e in (e0, e1):  # the training objective on held-out pairs
-            e["training reward"] = [sum(weights[k] * e[k][j] for k in weights) / sum(weights.values())  # weighted mean
+           f"{nfe:,.0f} transformer evaluations (NFE)"]
+    names = os.listdir(run_dir)
+    evals = sorted(iteration_of(f) for f in names if f.startswith("eval_") and f.endswith(".json"))
+    if len(evals) > 1:
+        e0, e1 = (json.load(open(os.path.join(run_dir, f"eval_{i}.json"))) for i in (evals[0], evals[-1]))
+        for e in (e0, e1):  # the training objective on held-out pairs: the weighted mean of the rewards
+            e["training reward"] = [sum(weights[k] * e[k][j] for k in weights) / sum(weights.values())
                                     for j in range(len(e[args.rewards[0]]))]
-        out.append(f"Evaluation on {len(e1[args.rewards[0]])} fixed prompt/seed pairs (ODE, {args.eval_steps} steps), "
-                   f"iteration {evals[0]} -> {evals[-1]}, change +- paired standard error:")
+        pairs = len(e1[args.rewards[0]])
+        out.append(f"Evaluation on {pairs} fixed prompt/seed pairs (ODE, {args.eval_steps} steps), iteration "
+                   f"{evals[0]} -> {evals[-1]}, change +- paired standard error:")
         for name in ["training reward", *[k for k in e1 if k != "training reward"]]:
-            a, b = torch.tensor(e0[name], dtype=torch.float64), torch.tensor(e1[name], dtype=torch.float64)
-            d, se = float((b - a).mean()), float((b - a).std() / math.sqrt(len(a)))
+            d, se = paired_change(e0[name], e1[name])
             verdict = "improved" if d > 2 * se else "got worse" if d < -2 * se else "no change beyond 2 SE"
-            out.append(f"  {name:>20}: {a.mean():.4f} -> {b.mean():.4f} ({d:+.4f} +- {se:.4f}, "
-                       f"{d / se if se > 0 else 0:+.1f} SE): {verdict}")
-    out.append(f"Samples of every evaluation: {os.path.join(run_dir, 'samples')}/eval_<iteration>.png")
-    ckpt, model = latest_checkpoint(run_dir), MODEL_ALIASES.get(args.model, args.model)
+            means = f"{sum(e0[name]) / len(e0[name]):.4f} -> {sum(e1[name]) / len(e1[name]):.4f}"
+            out.append(f"  {name:>20}: {means} ({d:+.4f} +- {se:.4f}, {d / se if se > 0 else 0:+.1f} SE): "
+                       f"{verdict}")
+    samples = os.path.abspath(os.path.join(run_dir, "samples"))
+    grids = sorted(os.listdir(samples), key=iteration_of) if os.path.isdir(samples) else []
+    if grids:
+        out.append(f"Sample grids in {samples}: {', '.join(grids)}")
+    ckpt = latest_checkpoint(run_dir)
     if ckpt:
-        model = os.path.relpath(model) if os.path.abspath(model).startswith(os.getcwd() + os.sep) else model
+        ckpt, model = os.path.abspath(ckpt), MODEL_ALIASES.get(args.model, args.model)
         pipe_cls, tr_cls = ("Flux", "Flux") if kind == "flux" else ("StableDiffusion3", "SD3")
-        load = (f"pipe = {pipe_cls}Pipeline.from_pretrained({model!r}, transformer={tr_cls}Transformer2DModel."
-                f"from_pretrained({os.path.join(ckpt, 'transformer')!r}))" if args.full_finetune else
-                f"pipe = {pipe_cls}Pipeline.from_pretrained({model!r}); pipe.load_lora_weights({os.path.join(ckpt, 'lora')!r})")
-        out += [f"Checkpoint: {ckpt} (resume with --resume {run_dir}); in diffusers:",
-                f"  from diffusers import {pipe_cls}Pipeline, {tr_cls}Transformer2DModel", f"  {load}",
-                f"  image = pipe('a red circle on the left', height={args.resolution}, width={args.resolution}, "
+        if args.full_finetune:
+            transformer = f"{tr_cls}Transformer2DModel.from_pretrained({os.path.join(ckpt, 'transformer')!r})"
+            load = f"pipe = {pipe_cls}Pipeline.from_pretrained({model!r}, transformer={transformer})"
+        else:
+            load = (f"pipe = {pipe_cls}Pipeline.from_pretrained({model!r}); "
+                    f"pipe.load_lora_weights({os.path.join(ckpt, 'lora')!r})")
+        call = (f"pipe('a red circle on the left', height={args.resolution}, width={args.resolution}, "
                 f"num_inference_steps={args.eval_steps}, guidance_scale={args.guidance}, "
-                f"max_sequence_length={args.max_sequence_length}).images[0]"]
+                f"max_sequence_length={args.max_sequence_length})")
+        out += [f"Checkpoint: {ckpt} (continue with --resume {os.path.abspath(run_dir)}); in diffusers:",
+                f"  from diffusers import {pipe_cls}Pipeline, {tr_cls}Transformer2DModel", f"  {load}",
+                f"  image = {call}.images[0]"]
     return "\n".join(out)
-
-
-@torch.no_grad()
-def ema_update(ema: list, params: list, decay: float, step: int):
-    """Exponential moving average of the trainable parameters (used for evaluation and the exported weights), with
-    Flow-GRPO's warm-up: the decay is min((1 + s) / (10 + s), decay) after s optimizer steps."""
-    decay = min((1 + step) / (10 + step), decay)
-    for e, p in zip(ema, params):
-        e.mul_(decay).add_(p.detach().float(), alpha=1 - decay)
-
-
-@contextlib.contextmanager
-def swapped_in(params: list, values):
-    """Temporarily load `values` (e.g. the EMA) into `params`; a no-op when values is None."""
-    backup = [p.detach().clone() for p in params] if values is not None else []
-    with torch.no_grad():
-        for p, v in zip(params, values if values is not None else []):
-            p.copy_(v)
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for p, b in zip(params, backup):
-                p.copy_(b)
-
-
-def _barrier():
-    if dist.is_initialized():
-        dist.barrier()
-
-
-def save_state(path: str, iteration: int, transformer, optimizer, params, names, ema, args, pipe, sharded: bool,
-               keep: int = 0):
-    """Atomic checkpoint at `path` (written to path.tmp, published with one rename): state.pt (iteration, args; for an
-    unsharded run also the trainable weights, optimizer and EMA), dcp/ (a sharded run: each rank writes its own shards
-    of the weights and optimizer with torch.distributed.checkpoint, nothing is gathered), and the exported weights:
-    lora/ (diffusers LoRA, `pipe.load_lora_weights`) or transformer/ (diffusers; a sharded run writes one file per
-    rank plus an index, both read by `<Transformer>.from_pretrained`). With an EMA the exports hold the EMA."""
-    from safetensors.torch import save_file
-
-    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    tmp = path + ".tmp"
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(os.path.join(tmp, "transformer"))
-    _barrier()
-    state = {"iteration": iteration, "args": vars(args)}
-    if sharded:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
-        model_state, optim_state = get_state_dict(transformer, optimizer)
-        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=os.path.join(tmp, "dcp"))
-        files, mine = {}, {}
-        for k, (name, t) in enumerate(transformer.state_dict().items()):  # every rank gathers one tensor at a time
-            full, files[name] = t.full_tensor() if hasattr(t, "full_tensor") else t, f"{k % world + 1:05d}"
-            if k % world == rank:
-                mine[name] = full.detach().cpu().contiguous()
-        save_file(mine, os.path.join(tmp, "transformer", f"diffusion_pytorch_model-{rank + 1:05d}-of-{world:05d}.safetensors"))
-        if rank == 0:
-            config = json.loads(transformer.to_json_string())
-            config["_class_name"] = config["_class_name"].removeprefix("FSDP")  # the class FSDP2 wrapped
-            with open(os.path.join(tmp, "transformer", "config.json"), "w") as f:
-                json.dump(config, f, indent=1)
-            weight_map = {n: f"diffusion_pytorch_model-{i}-of-{world:05d}.safetensors" for n, i in files.items()}
-            with open(os.path.join(tmp, "transformer", "diffusion_pytorch_model.safetensors.index.json"), "w") as f:
-                json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=1)
-    elif rank == 0:
-        state.update(trainable={n: p.detach().cpu().clone() for n, p in zip(names, params)},
-                     optimizer=optimizer.state_dict(), ema=dict(zip(names, (e.cpu() for e in ema))) if ema else None)
-        with swapped_in(params, ema):
-            if args.full_finetune:
-                transformer.save_config(os.path.join(tmp, "transformer"))
-                save_file({k: v.detach().contiguous().cpu() for k, v in transformer.state_dict().items()},
-                          os.path.join(tmp, "transformer", "diffusion_pytorch_model.safetensors"))
-            else:
-                from peft.utils import get_peft_model_state_dict
-
-                os.rmdir(os.path.join(tmp, "transformer"))
-                type(pipe).save_lora_weights(os.path.join(tmp, "lora"), get_peft_model_state_dict(transformer))
-    if rank == 0:
-        torch.save(state, os.path.join(tmp, "state.pt"))
-    _barrier()
-    if rank == 0:
-        shutil.rmtree(path, ignore_errors=True)
-        os.replace(tmp, path)
-        old = sorted((d for d in os.listdir(os.path.dirname(path)) if d[5:].isdigit()), key=lambda d: int(d[5:]))
-        for d in old[:-keep] if keep else []:  # a sharded FLUX.1-dev checkpoint is ~190 GB
-            shutil.rmtree(os.path.join(os.path.dirname(path), d))
-    _barrier()
-
-
-def load_state(path: str, transformer, optimizer, params, names, sharded: bool, device, with_ema: bool):
-    """Restore what save_state wrote (same world size for a sharded run). Returns (iteration, ema or None)."""
-    state = load_safely(os.path.join(path, "state.pt"))
-    if with_ema and not state.get("ema"):
-        fail(f"--ema: the checkpoint {path!r} was saved without an EMA; resume with --no-ema")
-    if sharded:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-        model_state, optim_state = get_state_dict(transformer, optimizer)
-        shards = {"model": model_state, "optim": optim_state}
-        dcp.load(shards, checkpoint_id=os.path.join(path, "dcp"))  # each rank reads its own shards in place
-        set_state_dict(transformer, optimizer, model_state_dict=shards["model"], optim_state_dict=shards["optim"])
-    else:
-        with torch.no_grad():
-            for p, n in zip(params, names):
-                p.copy_(state["trainable"][n])
-        optimizer.load_state_dict(state["optimizer"])
-    return state["iteration"], [state["ema"][n].to(device) for n in names] if with_ema else None
-
-
-def latest_checkpoint(path: str):
-    """The newest complete checkpoint <run>/checkpoints/iter_<N> under a run directory (or `path` itself if it is
-    one), or None."""
-    path = os.path.normpath(path)
-    if os.path.isfile(os.path.join(path, "state.pt")):
-        if not (os.path.basename(path)[5:].isdigit() and os.path.basename(os.path.dirname(path)) == "checkpoints"):
-            fail(f"--resume {path!r} is not a run's checkpoints/iter_<N>; pass the run directory")
-        return path
-    root = os.path.join(path, "checkpoints")
-    done = [d for d in os.listdir(root) if d.startswith("iter_") and not d.endswith(".tmp")] if os.path.isdir(root) else []
-    return os.path.join(root, max(done, key=lambda d: int(d[5:]))) if done else None

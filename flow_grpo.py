@@ -1,21 +1,27 @@
 # Flow-GRPO (Liu et al., 2025, arXiv 2505.05470); docs: README.md#flow-grpo
-"""Flow-GRPO: SDE noise at every step, one reward per image, the group-normalised reward broadcast to every trained
-step, a PPO-clipped ratio of per-step Gaussian log-likelihoods, and an optional KL to the reference model."""
+"""Flow-GRPO: SDE sampling at every step, one reward per image, its group-normalised advantage broadcast to
+every trained step (or shared out by CoCA's latent-similarity credit, --credit coca), a PPO-clipped ratio of
+per-step Gaussian log-likelihoods, and a KL to the reference model.
+
+The defaults are the paper's setting; --model toy trains the embedded toy model on a CPU."""
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
 import tyro
 from tqdm import tqdm
 
-from common import (NFE, apply_preset, broadcast_object, clipped_policy_loss, combine_advantages, decode, ema_update,
-                    encode_prompts, fail, gather_cat, gathered, image_grid, latent_shape, latest_checkpoint, load_pipeline,
-                    load_prompt_set, load_rewards, load_state, log_metrics, make_trainable, make_writer, ode_complete,
-                    optimizer_step, run_summary, save_eval_grid, save_state, score, sde_step, seed_everything, select,
-                    setup_distributed, sigma_schedule, swapped_in, velocity)
-from common import reference_kl  # algorithm specific
+from common import (NFE, TOY_WORLD, RewardModels, check_common_args, combine_advantages, decode, ema_update,
+                    encode_prompts, evaluate_policy, fail, gather_cat, gathered, image_grid,
+                    iteration_generator, latent_shape, load_pipeline, load_prompt_set, load_rewards,
+                    load_state, log_metrics, make_trainable, make_writer, max_over_ranks, optimizer_step,
+                    parse_args, pipeline_sigmas, resume_checkpoint, run_directory, run_summary,
+                    save_eval_grid, save_state, score, sde_step, seed_everything, select, setup_distributed,
+                    sum_over_ranks, swapped_in, velocities, velocity)
+# algorithm specific
+from common import as_reference, coca_credit, sde_mean_std
 
 
 @dataclass
@@ -33,46 +39,35 @@ class Args:
     output_dir: str = "runs"
     """logs and checkpoints go to <output_dir>/<run_name>"""
     resume: str | None = None
-    """a run directory (or one of its checkpoints) to continue from its latest checkpoint"""
+    """a run directory to continue from its latest checkpoint"""
 
     # Model
     model: str = "sd3.5-medium"
-    """a hub id, a local pipeline directory, or an alias: sd3.5-medium, flux-dev, toy (the embedded toy setting)"""
+    """a hub id, a local pipeline directory, or an alias: sd3.5-medium, flux-dev, toy (the toy world)"""
     mixed_precision: Literal["no", "bf16"] = "bf16"
-    """compute dtype on CUDA: frozen weights (LoRA) and gathered shards (FSDP2) are in it; autocast only for unsharded
-    full fine-tuning; the SDE math is always float32"""
+    """compute dtype on CUDA; the trainable weights and the SDE math stay float32"""
     resolution: int = 512
     """image height and width in pixels"""
     max_sequence_length: int = 128
     """T5 prompt length in tokens"""
     guidance: float = 4.5
     """classifier-free guidance scale (SD3, empty negative prompt) or guidance embedding (Flux)"""
-    schedule: Literal["pipeline", "shifted"] = "pipeline"
-    """noise levels: the pipeline's own scheduler (Flow-GRPO) or shift*u / (1 + (shift-1)*u) on linspace(1, 0, T+1)"""
-    shift: float = 3.0
-    """the shift of --schedule shifted (the pipeline schedule takes its shift from the scheduler's config)"""
 
     # Data and rewards
     prompts: str = "data/pickscore/train.txt"
-    """training prompts, one per line ('toy' for the toy world's grammar)"""
+    """training prompts, one per line ('toy': the toy world's grammar)"""
     eval_prompts: str = "data/pickscore/test.txt"
-    """held-out evaluation prompts, one per line ('toy' for the toy world's grammar)"""
+    """held-out evaluation prompts, one per line ('toy': the toy world's grammar)"""
     rewards: tuple[str, ...] = ("pickscore",)
-    """reward names: hps, clip, pickscore, jpeg, or the toy world's toy_color_position, toy_shape_count"""
+    """reward names: hps, clip, pickscore, imagereward, aesthetic, unifiedreward, jpeg, toy_*"""
     reward_weights: tuple[float, ...] = ()
-    """one weight per reward (default: all 1)"""
+    """one weight per reward (none given: all 1)"""
     eval_rewards: tuple[str, ...] = ()
-    """extra rewards scored only at evaluation, never trained on (e.g. the toy world's strict metric toy_strict)"""
+    """more rewards scored at evaluation only, never trained on (e.g. the toy world's toy_strict)"""
     reward_combine: Literal["rewards", "advantages"] = "rewards"
-    """'rewards': normalise the weighted sum of rewards (Flow-GRPO); 'advantages': normalise each reward, then sum (DanceGRPO)"""
-    hps_checkpoint: str | None = None
-    """local HPS_v2.1_compressed.pt (default: downloaded from the hub repo xswu/HPSv2)"""
-    clip_model: str | None = None
-    """open_clip model for the CLIP score: a local directory or 'hf-hub:...' (default: apple/DFN5B-CLIP-ViT-H-14-384)"""
-    pickscore_model: str | None = None
-    """PickScore CLIPModel directory or hub id (default: yuvalkirstain/PickScore_v1)"""
-    pickscore_processor: str | None = None
-    """PickScore processor directory or hub id (default: laion/CLIP-ViT-H-14-laion2B-s32B-b79K)"""
+    """normalise the weighted sum of the rewards (Flow-GRPO), or each reward's advantage, then sum"""
+    reward_models: tyro.conf.OmitArgPrefixes[RewardModels] = field(default_factory=RewardModels)
+    """where each reward model's weights come from"""
 
     # Sampling
     num_steps: int = 10
@@ -82,25 +77,17 @@ class Args:
     group_size: int = 24
     """G, images per prompt (a group never spans ranks)"""
     prompts_per_iteration: int = 48
-    """prompts (groups) per iteration over all ranks; must be a multiple of the world size"""
+    """prompts (groups) per iteration over all ranks; a multiple of the world size"""
     micro_batch: int = 12
-    """images per model forward, with the same micro-batches in sampling and training (log-probs match bit for bit)"""
-    same_init_noise: bool = False
-    """one initial noise per group (DanceGRPO's --init_same_noise); different groups and ranks still differ"""
+    """latents per model forward; sampling and training use the same micro-batches"""
 
     # Algorithm specific arguments
     noise_level: float = 0.7
-    """a (eta): SDE noise level, std_dev_t = a*sqrt(sigma/(1-sigma)) ('flow_grpo') or the constant a ('dance')"""
-    noise_form: Literal["flow_grpo", "dance"] = "flow_grpo"
-    """SDE diffusion coefficient: Flow-GRPO's sigma-dependent one or DanceGRPO's constant eta"""
+    """a, the SDE noise level: std_dev_t = a sqrt(sigma / (1 - sigma))"""
     timestep_fraction: float = 0.99
-    """fraction of the T steps that are trained: int(T * fraction) steps"""
-    timestep_selection: Literal["first", "random"] = "first"
-    """train the first int(T*fraction) steps in order (Flow-GRPO) or a random subset of the first T-1 (DanceGRPO)"""
+    """the first int(T * fraction) sampling steps are trained"""
     global_std: bool = True
-    """normalise by the std of all rewards of the iteration instead of each group's"""
-    std_unbiased: bool = False
-    """use the unbiased (n-1) std (DanceGRPO, G2RPO) instead of the population std (Flow-GRPO)"""
+    """normalise by the std of all the iteration's rewards instead of each group's"""
     adv_eps: float = 1e-4
     """added to the std in the advantage denominator"""
     adv_clip: float = 5.0
@@ -108,17 +95,21 @@ class Args:
     clip_range: float = 1e-4
     """PPO ratio clip range"""
     beta: float = 0.01
-    """KL coefficient against the reference model (LoRA disabled, or a frozen copy when fully fine-tuning)"""
+    """KL coefficient against the reference model (LoRA off, or a frozen copy when fully fine-tuning)"""
     kl_form: Literal["official", "exact"] = "official"
-    """KL scale: |mu - mu_ref|^2 / (2 std_dev_t^2) as Flow-GRPO's code (beta was tuned with it), or the exact
-    Gaussian KL (that divided by |dt|)"""
+    """KL scale: |mu - mu_ref|^2 / (2 std_dev_t^2) as Flow-GRPO's code, or the exact Gaussian KL"""
+    credit: Literal["broadcast", "coca"] = "broadcast"
+    """each trained step's advantage: the image's (Flow-GRPO), or its share by CoCA's credit"""
+    coca_window: int = 1
+    """CoCA: steps per window of similarity gains, a divisor of T (CoCA: 5 of 50 steps, i.e. 10 windows)"""
+    coca_alpha: float = 0.0
+    """CoCA: a step's advantage is A (alpha + (1 - alpha) s_k), s_k the credit to go"""
 
     # Optimisation
     full_finetune: bool = False
     """train every transformer weight (FSDP2 across ranks) instead of LoRA adapters"""
     gradient_checkpointing: bool = True
-    """recompute each transformer block's activations in the backward pass (diffusers' per-block checkpointing): about
-    a third more training compute for a fraction of the activation memory"""
+    """recompute each block's activations in the backward pass (a third more compute, less memory)"""
     lora_rank: int = 32
     """LoRA rank"""
     lora_alpha: int = 64
@@ -130,12 +121,11 @@ class Args:
     max_grad_norm: float = 1.0
     """gradient-norm clip"""
     updates_per_iteration: int = 2
-    """optimizer steps per iteration: the iteration's training terms split into this many mini-batches (the first is
-    on-policy)"""
+    """optimizer steps per iteration: the training terms split into this many mini-batches"""
     ema: bool = True
     """keep an EMA of the trainable weights for evaluation and the exported weights"""
     ema_decay: float = 0.9
-    """EMA decay, reached after a warm-up: min((1 + s) / (10 + s), ema_decay) after s optimizer steps"""
+    """EMA decay, reached after the warm-up min((1 + s) / (10 + s), decay) of s optimizer steps"""
     ema_every: int = 8
     """EMA update interval in optimizer steps"""
     num_iterations: int = 300
@@ -147,204 +137,252 @@ class Args:
     save_every: int = 30
     """checkpoint every N iterations and at the end (0: only at the end)"""
     keep_checkpoints: int = 3
-    """keep the newest N checkpoints (0: all); a sharded FLUX.1-dev checkpoint with its optimizer is ~190 GB"""
+    """keep the newest N checkpoints (0: all); a sharded FLUX.1-dev checkpoint is ~190 GB"""
     log_images_every: int = 10
     """log a grid of one group's images every N iterations"""
 
 
-# The embedded toy setting (--model toy): a ~2M-parameter Flux on 32x32 shapes. Flags passed explicitly still win.
-TOY = dict(model="toy", mixed_precision="no", resolution=32, max_sequence_length=16, guidance=3.5, prompts="toy",
-           eval_prompts="toy", rewards=("toy_color_position", "toy_shape_count"), eval_rewards=("toy_strict",),
-           reward_combine="advantages", num_steps=16, eval_steps=16, group_size=12, micro_batch=48,
-           full_finetune=True, gradient_checkpointing=False, ema=False, num_iterations=60, eval_every=20, eval_num=256,
-           save_every=20, log_images_every=20,
-           learning_rate=1e-4, noise_level=0.7, prompts_per_iteration=8, timestep_fraction=0.5, global_std=False, beta=0.04,
-           updates_per_iteration=1)
+# --model toy: a ~2M-parameter Flux on 32x32 shapes (README: the toy world). Explicit flags still win.
+TOY = {**TOY_WORLD, "learning_rate": 1e-4, "noise_level": 0.7, "prompts_per_iteration": 8,
+       "timestep_fraction": 0.5, "global_std": False, "beta": 0.04, "updates_per_iteration": 1}
 
 
 def check_args(args, world: int):
-    if args.group_size < 2:
-        fail(f"--group-size {args.group_size} is not allowed; GRPO needs at least 2 images per prompt")
-    if args.noise_level < 0:
-        fail(f"--noise-level {args.noise_level} is not allowed; use a value >= 0")
-    if args.num_steps < 1 or args.eval_steps < 1:
-        fail(f"--num-steps {args.num_steps} / --eval-steps {args.eval_steps}: both must be >= 1")
-    if args.prompts_per_iteration < world or args.prompts_per_iteration % world:
-        fail(f"--prompts-per-iteration {args.prompts_per_iteration} is not a positive multiple of the world size {world}")
-    if args.reward_weights and len(args.reward_weights) != len(args.rewards):
-        fail(f"--reward-weights has {len(args.reward_weights)} values for {len(args.rewards)} rewards; give one per reward")
-    if args.eval_every and (args.eval_num < world or args.eval_num % world):
-        fail(f"--eval-num {args.eval_num} is not a positive multiple of the world size {world}")
-    if args.ema_every < 1 or args.keep_checkpoints < 0:
-        fail(f"--ema-every {args.ema_every} / --keep-checkpoints {args.keep_checkpoints}: use >= 1 / >= 0")
-    if args.ema and args.full_finetune and world > 1:
-        fail("--ema is not supported with sharded full fine-tuning (world size > 1); pass --no-ema")
+    check_common_args(args, world)
     # algorithm specific
     if not 0 < args.timestep_fraction <= 1:
         fail(f"--timestep-fraction {args.timestep_fraction} is not allowed; use a value in (0, 1]")
     if int(args.num_steps * args.timestep_fraction) < 1:
         fail(f"--timestep-fraction {args.timestep_fraction} trains no step of {args.num_steps}; raise it")
-    most = -(-(args.prompts_per_iteration // world * args.group_size) // args.micro_batch)  # one per micro-batch
+    if args.credit == "coca" and (args.coca_window < 1 or args.num_steps % args.coca_window):
+        fail(f"--coca-window {args.coca_window} does not divide --num-steps {args.num_steps}")
+    if args.beta > 0 and args.noise_level == 0:
+        fail("--beta > 0 needs --noise-level > 0 (the KL divides by the step's variance); pass --beta 0")
+    per_rank = args.prompts_per_iteration // world * args.group_size
+    most = -(-per_rank // args.micro_batch)  # one mini-batch per micro-batch at most
     if not 1 <= args.updates_per_iteration <= most:
-        fail(f"--updates-per-iteration {args.updates_per_iteration} is not allowed; use 1..{most} (mini-batches per iteration)")
+        fail(f"--updates-per-iteration {args.updates_per_iteration} is not allowed; use 1..{most} "
+             f"(mini-batches per iteration)")
 
 
 def planned_nfe(args) -> dict:
-    """Transformer evaluations per prompt and iteration (a CFG pair counts once): the rollout, the training forwards and
-    the reference model's (KL); tested against the measured perf/nfe_*, an upper bound where zero advantages skip some."""
-    n = min(int(args.num_steps * args.timestep_fraction), args.num_steps - (args.timestep_selection == "random"))
-    return {"rollout": args.group_size * args.num_steps, "train": n * args.group_size,
-            "reference": n * args.group_size * (args.beta > 0)}
+    """Transformer evaluations per prompt and iteration (a CFG pair counts once): the rollout, the training
+    forwards and the reference model's; tested against the measured perf/nfe_* (zero advantages skip some)."""
+    trained = int(args.num_steps * args.timestep_fraction)
+    return {"rollout": args.group_size * args.num_steps,
+            "train": trained * args.group_size,
+            "reference": trained * args.group_size if args.beta > 0 else 0}
 
 
 if __name__ == "__main__":
-    args = tyro.cli(Args)
-    if args.model == "toy":
-        apply_preset(args, TOY)
+    args = parse_args(Args, toy=TOY, description=__doc__)
     rank, world, device = setup_distributed()
+    is_main = rank == 0
     check_args(args, world)
+    ckpt, start = None, 0
+    if args.resume:
+        script = os.path.basename(__file__)
+        ckpt, start = resume_checkpoint(args.resume, args=args, world=world, script=script)
 
-    # TRY NOT TO MODIFY: run name, logging, seeding
-    ckpt = latest_checkpoint(args.resume) if args.resume else None
-    if args.resume and ckpt is None:
-        fail(f"--resume {args.resume!r} holds no checkpoint; pass a run directory with checkpoints/iter_*")
-    run_name = f"{os.path.basename(args.model.rstrip('/'))}__{args.exp_name}__{args.seed}__{int(time.time())}"
-    run_dir = os.path.dirname(os.path.dirname(ckpt)) if ckpt else broadcast_object(os.path.join(args.output_dir, run_name))
-    if rank == 0:
-        os.makedirs(run_dir, exist_ok=True)
-    writer = make_writer(run_dir, args, args.track, args.wandb_project, rank, ckpt)
-    seed_everything(args.seed, args.torch_deterministic)
+    # TRY NOT TO MODIFY: run name (runs/<model>__<exp_name>__<seed>__<time>), logging, seeding
+    run_dir = run_directory(args, checkpoint=ckpt)
+    if is_main:
+        writer = make_writer(run_dir, args, resume_iteration=start if ckpt else None)
+    seed_everything(args.seed, deterministic=args.torch_deterministic)
 
     # TRY NOT TO MODIFY: model, rewards, prompts, optimizer
-    train_prompts, eval_prompts = load_prompt_set(args.prompts, "train"), load_prompt_set(args.eval_prompts, "test")
-    amp = torch.bfloat16 if args.mixed_precision == "bf16" and device.type == "cuda" else None
-    pipe, kind = load_pipeline(args.model, device, amp or torch.float32)
+    train_prompts = load_prompt_set(args.prompts, split="train")
+    eval_prompts = load_prompt_set(args.eval_prompts, split="test")
+    use_bf16 = args.mixed_precision == "bf16" and device.type == "cuda"
+    compute_dtype = torch.bfloat16 if use_bf16 else torch.float32
+    pipe, kind = load_pipeline(args.model, device, dtype=compute_dtype)
     transformer = pipe.transformer
     C, H, W = latent_shape(pipe, kind, args.resolution)
     weights = dict(zip(args.rewards, args.reward_weights or [1.0] * len(args.rewards)))
-    reward_fns = load_rewards(dict.fromkeys(args.rewards + args.eval_rewards), device, args.hps_checkpoint,
-                              args.clip_model, args.pickscore_model, args.pickscore_processor, dtype=amp or torch.float32)
-    eval_fns, reward_fns = reward_fns, {k: reward_fns[k] for k in args.rewards}
-    sharded = args.full_finetune and world > 1  # FSDP2 across ranks; LoRA runs average gradients (DDP style)
-    params, ref_model = make_trainable(transformer, kind, args.lora_rank, args.lora_alpha, args.full_finetune, args.beta > 0,
-                                    sharded, amp, args.gradient_checkpointing)
-    names = [n for n, p in transformer.named_parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=args.learning_rate, betas=(0.9, 0.999), weight_decay=args.weight_decay,
-                                  eps=1e-8)
-    ema = [p.detach().float().clone() for p in params] if args.ema else None
-    unsharded_fp32 = amp is not None and args.full_finetune and not sharded  # bf16 compute needs autocast only then
-    autocast = lambda: torch.autocast(device.type, dtype=amp, enabled=unsharded_fp32, cache_enabled=False)  # noqa: E731
-    start, ema = load_state(ckpt, transformer, optimizer, params, names, sharded, device, args.ema) if ckpt else (0, ema)
-    sigmas = sigma_schedule(args.num_steps, args.shift, pipe if args.schedule == "pipeline" else None, kind, H * W // 4)
-    eval_sigmas = sigma_schedule(args.eval_steps, args.shift, pipe, kind, H * W // 4)  # evaluation: as the pipeline samples
+    eval_fns = load_rewards(args.rewards + args.eval_rewards, device, models=args.reward_models,
+                            dtype=compute_dtype)
+    reward_fns = {k: eval_fns[k] for k in args.rewards}
+    # FSDP2 across ranks; LoRA runs average their gradients (DDP style)
+    sharded = args.full_finetune and world > 1
+    params, ref_model = make_trainable(
+        transformer, kind, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
+        full_finetune=args.full_finetune, reference=args.beta > 0, sharded=sharded,
+        compute_dtype=compute_dtype, checkpointing=args.gradient_checkpointing)
+    optimizer = torch.optim.AdamW(params.values(), lr=args.learning_rate, betas=(0.9, 0.999),
+                                  weight_decay=args.weight_decay, eps=1e-8)
+    ema = [p.detach().float().clone() for p in params.values()] if args.ema else None
+    if ckpt:
+        ema = load_state(ckpt, transformer=transformer, optimizer=optimizer, params=params,
+                         sharded=sharded, device=device, ema=args.ema, learning_rate=args.learning_rate,
+                         weight_decay=args.weight_decay)
+    # bf16 autocast only for unsharded full fine-tuning: LoRA and FSDP2 already compute in bf16
+    use_autocast = use_bf16 and args.full_finetune and not sharded
+    amp = torch.autocast(device.type, dtype=compute_dtype, enabled=use_autocast, cache_enabled=False)
     P, G, T = args.prompts_per_iteration // world, args.group_size, args.num_steps
+    # training samples with the pipeline's own schedule (Flow-GRPO), evaluation too
+    sigmas = pipeline_sigmas(pipe, kind, num_steps=T, image_tokens=H * W // 4)
+    eval_sigmas = pipeline_sigmas(pipe, kind, num_steps=args.eval_steps, image_tokens=H * W // 4)
     n_train = int(T * args.timestep_fraction)
-    nfe_min = planned_nfe(args)["rollout"]  # per prompt, the closed form (measured: perf/nfe_rollout_per_prompt)
+    nfe_min = planned_nfe(args)["rollout"]
 
     def evaluate(iteration):
-        """ODE samples (noise 0) with eval_steps on fixed held-out prompt/seed pairs, scored by every reward."""
-        pairs = list(range(rank, args.eval_num, world))
-        prompts = [eval_prompts[k % len(eval_prompts)] for k in pairs]
-        noise = torch.stack([torch.randn(C, H, W, generator=torch.Generator().manual_seed(10**6 + k)) for k in pairs])
-        emb = encode_prompts(pipe, kind, prompts, args.max_sequence_length, args.guidance)  # before gathering weights
-        with swapped_in(params, ema), autocast(), gathered(transformer, sharded):
-            x0 = ode_complete(transformer, kind, noise.to(device), [list(range(args.eval_steps + 1))] * len(noise),
-                              eval_sigmas, emb, args.guidance, args.micro_batch)
-        images = torch.cat([decode(pipe, z) for z in x0.split(args.micro_batch)])
-        local = score(eval_fns, images, prompts)
-        scores = {k: gather_cat(v.to(device)).cpu() for k, v in local.items()}
-        log_metrics(writer, run_dir, iteration, {f"eval/{k}": v.mean() for k, v in scores.items()}, per_sample=scores)
-        if writer is not None:  # the same pairs every time: flip through runs/<run>/samples/eval_*.png
+        """ODE samples of the fixed held-out prompt/seed pairs, scored by every reward."""
+        with swapped_in(list(params.values()), ema):
+            scores, images, prompts, local = evaluate_policy(
+                transformer, pipe=pipe, kind=kind, prompts=eval_prompts, rewards=eval_fns,
+                num_pairs=args.eval_num, sigmas=eval_sigmas, guidance=args.guidance,
+                max_sequence_length=args.max_sequence_length, micro_batch=args.micro_batch,
+                shape=(C, H, W), sharded=sharded, rank=rank, world=world, device=device, autocast=amp)
+        if is_main:
+            means = {f"eval/{k}": v.mean() for k, v in scores.items()}
+            log_metrics(writer, run_dir, iteration, means, per_sample=scores)
             save_eval_grid(run_dir, iteration, images, prompts, local)
-        return sum(weights[k] * scores[k].mean() for k in args.rewards).item() / sum(weights.values())  # weighted mean
+        weighted = sum(weights[k] * scores[k].mean() for k in args.rewards) / sum(weights.values())
+        return iteration, weighted.item()
 
-    t0, headline = time.time(), evaluate(0) if start == 0 and args.eval_every else None  # iteration 0: the base model
-    pbar = tqdm(range(start, args.num_iterations), disable=rank != 0, desc="iterations", initial=start,
-                total=args.num_iterations)
+    t0 = time.time()
+    # iteration 0: the base model
+    last_eval = evaluate(0) if start == 0 and args.eval_every else None
+    bar = "{percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}]{postfix}"
+    pbar = tqdm(range(start, args.num_iterations), disable=not is_main, initial=start,
+                total=args.num_iterations, bar_format=bar)
     for iteration in pbar:
-        t_start, nfe_start = time.time(), NFE["count"]
-        gen = torch.Generator().manual_seed(args.seed * 100_003 + iteration * 1009 + rank)  # resume-exact randomness
+        t_start = time.time()
+        nfe_start = NFE["count"]
+        gen = iteration_generator(args.seed, iteration, rank)
 
-        # ALGO LOGIC: rollout (SDE at every step; a whole micro-batch of the group per forward)
-        train_steps = list(range(n_train)) if args.timestep_selection == "first" else sorted(
-            torch.randperm(T - 1, generator=gen)[:min(n_train, T - 1)].tolist())  # DanceGRPO: a random subset
-        a = [args.noise_level if i < T - 1 or i in train_steps else 0.0 for i in range(T)]  # untrained last step: x - sigma v
+        # ALGO LOGIC: rollout (the SDE at every sampling step)
+        train_steps = list(range(n_train))
+        # an untrained last step is taken without noise (x - sigma v): no untrained noise in the image
+        noise_levels = [args.noise_level if i < T - 1 or i in train_steps else 0.0 for i in range(T)]
         prompts = [train_prompts[i] for i in torch.randint(len(train_prompts), (P,), generator=gen)]
         group = torch.arange(P).repeat_interleave(G)  # sample -> its prompt
-        x = torch.randn(P, 1 if args.same_init_noise else G, C, H, W, generator=gen).expand(P, G, C, H, W)
-        latents, old_log_probs = [x.reshape(P * G, C, H, W).to(device)], []
+        x = torch.randn(P, G, C, H, W, generator=gen).reshape(P * G, C, H, W).to(device)
+        latents = [x]
+        old_log_probs = []
+        sampler_velocities = []
         chunks = torch.arange(P * G).split(args.micro_batch)
-        emb = encode_prompts(pipe, kind, prompts, args.max_sequence_length, args.guidance)  # before gathering weights
-        with torch.no_grad(), autocast(), gathered(transformer, sharded):  # weights gathered once for the rollout
+        emb = encode_prompts(pipe, kind, prompts, max_sequence_length=args.max_sequence_length,
+                             cfg=args.guidance)
+        with torch.no_grad(), amp, gathered(transformer, sharded=sharded):
             for i in range(T):
-                v = torch.cat([velocity(transformer, kind, latents[i][c], sigmas[i], select(emb, group[c]), args.guidance)
-                               for c in chunks])
-                steps = [sde_step(v[c], latents[i][c], sigmas, i, a[i], generator=gen, form=args.noise_form) for c in chunks]
-                latents.append(torch.cat([s[0] for s in steps]))
-                old_log_probs.append(torch.cat([s[1] for s in steps]))
+                v = velocities(transformer, kind, latents[i], sigmas[i], emb, rows=group, chunks=chunks,
+                               guidance=args.guidance)
+                x_next = torch.empty_like(latents[i])
+                log_prob = torch.empty(P * G, device=device)
+                for c in chunks:  # the same micro-batches draw the noise, in order
+                    x_next[c], log_prob[c], _, _ = sde_step(v[c], latents[i][c], sigmas, i,
+                                                            noise_levels[i], generator=gen)
+                latents.append(x_next)
+                old_log_probs.append(log_prob)
+                sampler_velocities.append(v)
             images = torch.cat([decode(pipe, latents[-1][c]) for c in chunks])
         nfe_rollout = NFE["count"] - nfe_start
         t_rollout = time.time() - t_start
 
-        # ALGO LOGIC: rewards and advantages (one trajectory reward, broadcast to every trained step)
+        # ALGO LOGIC: rewards and advantages (one reward per image, broadcast to every trained step)
         scores = score(reward_fns, images, [prompts[g] for g in group])
         all_scores = {k: gather_cat(v.view(P, G).to(device)).cpu() for k, v in scores.items()}
-        advantages = combine_advantages(all_scores, weights, args.reward_combine, args.adv_eps, args.std_unbiased,
-                                        args.global_std, args.adv_clip)[rank * P:(rank + 1) * P].reshape(-1).to(device)
+        advantages = combine_advantages(all_scores, weights, mode=args.reward_combine, eps=args.adv_eps,
+                                        unbiased=False, global_std=args.global_std)
+        advantages = advantages.clamp(-args.adv_clip, args.adv_clip)
+        advantages = advantages[rank * P:(rank + 1) * P].reshape(-1).to(device)
+        if args.credit == "coca":  # CoCA, x0_hat_k = x_k - sigma_k v(x_k) from the rollout's velocities
+            x0_hats = torch.stack([latents[i] - sigmas[i] * sampler_velocities[i] for i in range(T)])
+            advantages = coca_credit(advantages, x0_hats, latents[T], window=args.coca_window,
+                                     alpha=args.coca_alpha, group_size=G, trained=n_train)
+        else:  # Flow-GRPO: every step gets the image's advantage
+            advantages = advantages.expand(T, -1)
 
-        # ALGO LOGIC: policy update (PPO-clipped ratio of per-step log-probs, optional KL to the reference)
-        stats, first_dev, grad_norms = torch.zeros(6, device=device), 0.0, []
-        for u, mb in enumerate(torch.tensor_split(torch.arange(len(chunks)), args.updates_per_iteration)):
-            n_terms = sum(len(chunks[c]) for c in mb) * len(train_steps)
-            for j, c in ((j, chunks[m]) for j in train_steps for m in mb):
-                if not sharded and args.beta == 0 and (advantages[c] == 0).all():
-                    continue  # zero advantage and no KL: no gradient
-                with autocast():
-                    v = velocity(transformer, kind, latents[j][c], sigmas[j], select(emb, group[c]), args.guidance)
-                _, log_prob, mean, std = sde_step(v, latents[j][c], sigmas, j, a[j], prev_sample=latents[j + 1][c],
-                                                  form=args.noise_form)
-                with autocast():  # KL to the reference on the step means (Flow-GRPO); 0 without beta
-                    kl = reference_kl(ref_model or transformer, kind, latents[j][c], sigmas, j, select(emb, group[c]),
-                                      args.guidance, a[j], latents[j + 1][c], args.noise_form, mean, std, ref_model is None,
-                                      args.kl_form == "exact") if args.beta > 0 else None
-                loss, sums, dev = clipped_policy_loss(log_prob, old_log_probs[j][c], advantages[c], args.clip_range, kl,
-                                                      args.beta)
-                (loss * len(c) / n_terms).backward()
-                stats += sums
-                first_dev = max(first_dev, float(dev)) if u == 0 else first_dev
-            grad_norms.append(optimizer_step(params, optimizer, args.max_grad_norm, sharded))
-            n_updates = iteration * args.updates_per_iteration + u + 1  # optimizer steps so far
-            if ema is not None and (n_updates + 1) % args.ema_every == 0:  # as Flow-GRPO: after steps 7, 15, ...
-                ema_update(ema, params, args.ema_decay, n_updates)
+        # ALGO LOGIC: policy update (the PPO-clipped ratio of per-step log-probs, the KL to the reference)
+        sums = dict.fromkeys(["terms", "ratio_mean", "clipfrac", "approx_kl", "policy_loss", "kl"], 0.0)
+        first_ratio_dev = 0.0  # max |ratio - 1| in the first mini-batch: 0 if sampling and training agree
+        grad_norms = []
+        minibatches = torch.tensor_split(torch.arange(len(chunks)), args.updates_per_iteration)
+        for u, minibatch in enumerate(minibatches):
+            n_terms = sum(len(chunks[m]) for m in minibatch) * len(train_steps)
+            has_gradient = False
+            for j in train_steps:
+                for m in minibatch.tolist():
+                    c = chunks[m]
+                    adv = advantages[j][c]
+                    signal = args.beta > 0 or bool((adv != 0).any())
+                    if not signal and not sharded:
+                        continue  # no gradient (sharded runs run it: every rank joins the collectives)
+                    has_gradient = has_gradient or signal
+                    emb_c = select(emb, group[c])
+                    with amp:
+                        v = velocity(transformer, kind, latents[j][c], sigmas[j], emb_c, args.guidance)
+                    _, log_prob, mean, std = sde_step(v, latents[j][c], sigmas, j, noise_levels[j],
+                                                      prev_sample=latents[j + 1][c])
+                    ratio = torch.exp(log_prob - old_log_probs[j][c])
+                    clipped_ratio = ratio.clamp(1 - args.clip_range, 1 + args.clip_range)
+                    policy_loss = torch.max(-adv * ratio, -adv * clipped_ratio).mean()
+                    kl = torch.zeros_like(policy_loss)
+                    if args.beta > 0:  # the KL of the step means (Flow-GRPO's code)
+                        with torch.no_grad(), amp, as_reference(transformer, ref_model) as reference:
+                            v_ref = velocity(reference, kind, latents[j][c], sigmas[j], emb_c, args.guidance)
+                        mean_ref, _, _ = sde_mean_std(v_ref, latents[j][c], sigmas, j, noise_levels[j])
+                        # official: / (2 std_dev_t^2) with std_dev_t^2 = std^2 / |dt|; exact: / (2 std^2)
+                        step = float(sigmas[j] - sigmas[j + 1])  # |dt|
+                        kl_var = std**2 if args.kl_form == "exact" else std**2 / step
+                        kl = ((mean - mean_ref) ** 2).mean(dim=(1, 2, 3)).mean() / (2 * kl_var)
+                    loss = policy_loss + args.beta * kl
+                    (loss * len(c) / n_terms).backward()
+                    log_ratio = (log_prob - old_log_probs[j][c]).detach()
+                    sums["terms"] += len(c)
+                    sums["ratio_mean"] += ratio.detach().sum()
+                    sums["clipfrac"] += ((ratio.detach() - 1).abs() > args.clip_range).sum()
+                    sums["approx_kl"] += (0.5 * log_ratio**2).sum()
+                    sums["policy_loss"] += policy_loss.detach() * len(c)
+                    sums["kl"] += kl.detach() * len(c)
+                    if u == 0:
+                        first_ratio_dev = max(first_ratio_dev, (ratio.detach() - 1).abs().max().item())
+            norm = optimizer_step(params, optimizer, max_grad_norm=args.max_grad_norm, sharded=sharded,
+                                  has_gradient=has_gradient)
+            if norm is not None:
+                grad_norms.append(norm)
+            n_updates = iteration * args.updates_per_iteration + u + 1  # optimizer steps planned so far
+            if ema is not None and (n_updates + 1) % args.ema_every == 0:  # as Flow-GRPO: steps 7, 15, ...
+                ema_update(ema, list(params.values()), args.ema_decay, n_updates)
 
         # TRY NOT TO MODIFY: logging, evaluation, checkpoints
-        stats = gather_cat(stats[None]).sum(0)
-        n = stats[5].clamp(min=1)
+        nfe = NFE["count"] - nfe_start
+        totals = sum_over_ranks({**sums, "nfe": nfe, "nfe_rollout": nfe_rollout})
+        n = max(totals["terms"], 1)
         metrics = {f"reward/{k}_mean": v.mean() for k, v in all_scores.items()}
         metrics.update({f"reward/{k}_std": v.std() for k, v in all_scores.items()})
-        flat = torch.stack([(v.max(1).values == v.min(1).values) for v in all_scores.values()]).all(0)
-        metrics.update({"reward/zero_std_fraction": flat.float().mean(), "train/ratio_mean": stats[0] / n,
-                        "train/clipfrac": stats[1] / n, "train/approx_kl": stats[2] / n, "train/policy_loss": stats[3] / n,
-                        "train/kl": stats[4] / n, "train/grad_norm": sum(grad_norms) / max(len(grad_norms), 1),
-                        "train/updates": len(grad_norms),
-                        "train/first_ratio_max_dev": first_dev, "perf/nfe_rollout_per_prompt": nfe_rollout / P,
-                        "perf/nfe_min_per_prompt": nfe_min,
-                        "perf/nfe_per_iteration": (NFE["count"] - nfe_start) * world,
-                        "perf/rollout_seconds": t_rollout, "perf/seconds_per_iteration": time.time() - t_start})
-        log_metrics(writer, run_dir, iteration + 1, metrics)
-        pbar.set_postfix({**{k: f"{v.mean():.3f}" for k, v in all_scores.items()}, "eval": f"{headline or float('nan'):.3f}",
-                          "ratio-1": f"{first_dev:.0e}"})
-        if writer is not None and args.log_images_every and (iteration + 1) % args.log_images_every == 0:
-            caption = lambda k: f"{prompts[0][:40]}\n" + " ".join(f"{n}={v[k]:.3f}" for n, v in scores.items())  # noqa: E731
-            writer.add_figure("samples", image_grid(images[:G].cpu(), [caption(k) for k in range(G)]), iteration + 1)
+        flat = torch.stack([v.max(1).values == v.min(1).values for v in all_scores.values()]).all(0)
+        metrics["reward/zero_std_fraction"] = flat.float().mean()
+        # means over the iteration's trained terms
+        metrics.update({f"train/{k}": totals[k] / n for k in sums if k != "terms"})
+        metrics["train/grad_norm"] = sum(grad_norms) / max(len(grad_norms), 1)
+        metrics["train/updates"] = len(grad_norms)
+        metrics["train/first_ratio_max_dev"] = max_over_ranks(first_ratio_dev)
+        metrics["perf/nfe_rollout_per_prompt"] = totals["nfe_rollout"] / (P * world)
+        metrics["perf/nfe_min_per_prompt"] = nfe_min
+        metrics["perf/nfe_per_iteration"] = totals["nfe"]
+        metrics["perf/rollout_seconds"] = t_rollout
+        metrics["perf/seconds_per_iteration"] = time.time() - t_start
+        if is_main:
+            log_metrics(writer, run_dir, iteration + 1, metrics)
         last = iteration + 1 == args.num_iterations
         if args.eval_every and ((iteration + 1) % args.eval_every == 0 or last):
-            headline = evaluate(iteration + 1)
+            last_eval = evaluate(iteration + 1)
+        train_reward = sum(weights[k] * all_scores[k].mean() for k in args.rewards) / sum(weights.values())
+        shown = "-" if last_eval is None else f"{last_eval[1]:.3f}@{last_eval[0]}"
+        ratio_dev = metrics["train/first_ratio_max_dev"]
+        pbar.set_postfix_str(f"train {train_reward:.3f} eval {shown} |r-1| {ratio_dev:.0e}")
+        if is_main and args.log_images_every and (iteration + 1) % args.log_images_every == 0:
+            captions = [f"{prompts[0][:40]}\n" + " ".join(f"{k}={v[i]:.3f}" for k, v in scores.items())
+                        for i in range(G)]
+            writer.add_figure("samples", image_grid(images[:G].cpu(), captions), iteration + 1)
         if (args.save_every and (iteration + 1) % args.save_every == 0) or last:
-            save_state(os.path.join(run_dir, "checkpoints", f"iter_{iteration + 1}"), iteration + 1, transformer, optimizer,
-                       params, names, ema, args, pipe, sharded, args.keep_checkpoints)
-    if writer is not None:
+            save_state(os.path.join(run_dir, "checkpoints", f"iter_{iteration + 1}"), iteration=iteration + 1,
+                       transformer=transformer, optimizer=optimizer, params=params, ema=ema, args=args,
+                       pipe=pipe, sharded=sharded, keep=args.keep_checkpoints)
+    if is_main:
         writer.close()
-        print(run_summary(run_dir, args, kind, weights, time.time() - t0))
+        print(run_summary(run_dir, args=args, kind=kind, weights=weights, seconds=time.time() - t0))
     if world > 1:
         torch.distributed.destroy_process_group()

@@ -12,8 +12,8 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "toy")]
-from common import (clipped_policy_loss, make_trainable, reference_kl, sde_step, select, setup_distributed,  # noqa: E402
-                    sigma_schedule, velocity)
+from common import (as_reference, make_trainable, sde_mean_std, sde_step, select, setup_distributed,  # noqa: E402
+                    shifted_sigmas, velocity)
 from tiny import build_flux  # noqa: E402
 
 if __name__ == "__main__":
@@ -24,8 +24,8 @@ if __name__ == "__main__":
         for p in transformer.parameters():
             p.add_(0.01 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
     amp = torch.bfloat16 if "--bf16" in sys.argv else None
-    params, ref = make_trainable(transformer, "flux", 4, 8, True, True, sharded=world > 1, amp=amp,
-                                 checkpointing="--checkpointing" in sys.argv)
+    params, ref = make_trainable(transformer, "flux", lora_rank=4, lora_alpha=8, full_finetune=True, reference=True,
+                                 sharded=world > 1, compute_dtype=amp, checkpointing="--checkpointing" in sys.argv)
     with torch.no_grad():
         for p in ref.parameters():
             p.mul_(0.99)
@@ -34,14 +34,18 @@ if __name__ == "__main__":
     n = 4
     x, x_next = torch.randn(n, 4, 16, 16, generator=g), torch.randn(n, 4, 16, 16, generator=g)
     emb = {"embeds": torch.randn(n, 16, 32, generator=g), "pooled": torch.randn(n, 32, generator=g)}
-    advantages, sigmas = torch.randn(n, generator=g), sigma_schedule(4, 3.0)
+    advantages, sigmas = torch.randn(n, generator=g), shifted_sigmas(4, shift=3.0)
     rows = torch.arange(rank * n // world, (rank + 1) * n // world)  # this rank's half (or all of it)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp is not None and world == 1):
         v = velocity(transformer, "flux", x[rows], sigmas[1], select(emb, rows), 3.5)
     _, log_prob, mean, std = sde_step(v, x[rows], sigmas, 1, 0.7, prev_sample=x_next[rows])
-    kl = reference_kl(ref, "flux", x[rows], sigmas, 1, select(emb, rows), 3.5, 0.7, x_next[rows], "flow_grpo", mean, std,
-                      False)
-    loss, _, _ = clipped_policy_loss(log_prob, log_prob.detach(), advantages[rows], 1e-4, kl, 0.04)
+    # the files' loss: the PPO-clipped ratio and the official KL of the step means
+    with torch.no_grad(), as_reference(transformer, ref) as reference:
+        v_ref = velocity(reference, "flux", x[rows], sigmas[1], select(emb, rows), 3.5)
+    mean_ref, _, _ = sde_mean_std(v_ref, x[rows], sigmas, 1, 0.7)
+    kl = ((mean - mean_ref) ** 2).mean(dim=(1, 2, 3)).mean() / (2 * std**2 / float(sigmas[1] - sigmas[2]))
+    ratio, adv = torch.exp(log_prob - log_prob.detach()), advantages[rows]
+    loss = torch.max(-adv * ratio, -adv * ratio.clamp(1 - 1e-4, 1 + 1e-4)).mean() + 0.04 * kl
     loss.backward()  # FSDP2 averages the ranks' gradients: the mean over the whole batch
     grads = {name: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).float()
              for name, p in transformer.named_parameters()}

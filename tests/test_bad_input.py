@@ -1,11 +1,12 @@
 """Every rejected argument exits with a one-line error that names the value and what is allowed."""
+import os
+
 import pytest
-import torch
 
+import dancegrpo
 import flow_grpo
-from common import latent_shape, load_pipeline, load_prompt_set, load_rewards
+from common import RewardModels, latent_shape, load_pipeline, load_prompt_set, load_rewards
 from helpers import check_args, run_script, tiny_flags, tiny_model_dirs
-
 
 
 @pytest.mark.parametrize("over,message", [
@@ -36,7 +37,7 @@ def test_paper_commands_fail_at_once_without_the_prompt_files(tmp_path):
 
 
 @pytest.mark.parametrize("over,message", [
-    ({"eval_num": 0}, "--eval-num 0 is not a positive multiple of the world size 1"),
+    ({"eval_num": 0}, r"--eval-num 0 is not allowed; use >= 1 \(held-out pairs per evaluation\)"),
     ({"ema_every": 0}, "--ema-every 0 / --keep-checkpoints 3: use >= 1 / >= 0"),
 ])
 def test_more_argument_checks(over, message):
@@ -44,28 +45,64 @@ def test_more_argument_checks(over, message):
         check_args(flow_grpo, **over)
 
 
-def test_resume_paths_and_mismatched_ema(tmp_path):
-    from common import latest_checkpoint, load_state
+def checkpoint(root, args, iteration=3, script="flow_grpo.py", world=1, sharded=False):
+    import dataclasses
+    import json
 
-    ckpt = tmp_path / "run" / "checkpoints" / "iter_3"
-    ckpt.mkdir(parents=True)
-    torch.save({"iteration": 3, "args": {}, "trainable": {}, "optimizer": {}, "ema": None}, ckpt / "state.pt")
+    path = root / "checkpoints" / f"iter_{iteration}"
+    path.mkdir(parents=True)
+    run = {"iteration": iteration, "script": script, "world": world, "sharded": sharded,
+           "args": dataclasses.asdict(args)}
+    (path / "run.json").write_text(json.dumps(run))
+    return path
+
+
+def test_resume_paths(tmp_path):
+    from common import latest_checkpoint
+
+    ckpt = checkpoint(tmp_path / "run", flow_grpo.Args())
     assert latest_checkpoint(str(ckpt) + "/") == str(ckpt) == latest_checkpoint(str(tmp_path / "run") + "/")
     (tmp_path / "elsewhere").mkdir()
-    torch.save({}, tmp_path / "elsewhere" / "state.pt")
+    (tmp_path / "elsewhere" / "run.json").write_text("{}")
     with pytest.raises(SystemExit, match="is not a run's checkpoints/iter_<N>; pass the run directory"):
         latest_checkpoint(str(tmp_path / "elsewhere"))
-    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])
-    with pytest.raises(SystemExit, match="was saved without an EMA; resume with --no-ema"):
-        load_state(str(ckpt), None, opt, [], [], False, "cpu", with_ema=True)
 
 
-def test_kl_without_noise_at_a_trained_step(tmp_path):
-    paths = tiny_model_dirs(str(tmp_path))
-    out = run_script("flow_grpo.py", tiny_flags(paths["flux"], paths["prompts"], tmp_path / "o", noise_level=0, beta=0.04,
-                                                eval_every=0, num_iterations=1), check=False)
-    assert out.returncode != 0 and out.stderr.strip().splitlines()[-1] == (
-        "error: --beta > 0 needs noise at every trained step (the KL divides by its variance); step 0 has none")
+@pytest.mark.parametrize("saved,now,world,message", [
+    ({"script": "g2rpo.py"}, {}, 1, "was made by g2rpo.py, not flow_grpo.py; resume it with that file"),
+    ({}, {"full_finetune": True}, 1, "has --full-finetune False, this run True; the trainable weights must match"),
+    ({}, {"model": "flux-dev"}, 1, "has --model sd3.5-medium, this run flux-dev; the trainable weights must match"),
+    ({}, {"ema": False}, 1, "has --ema True, this run False; the trainable weights must match to resume"),
+    ({}, {"lora_rank": 8}, 1, "has --lora-rank 32, this run 8"),
+    ({"world": 2, "sharded": True, "full_finetune": True}, {"full_finetune": True}, 1,
+     r"was saved by 2 process\(es\) \(sharded\); resume it with that world size, not 1"),
+])
+def test_resume_refuses_what_it_cannot_honour(tmp_path, saved, now, world, message):
+    """Before any model loads, in one line: another algorithm file, model, LoRA vs full fine-tuning, LoRA shape,
+    EMA, or the world size of a sharded run."""
+    from common import resume_checkpoint
+
+    fields = {k: v for k, v in saved.items() if k in ("full_finetune",)}
+    checkpoint(tmp_path / "run", flow_grpo.Args(**fields), script=saved.get("script", "flow_grpo.py"),
+               world=saved.get("world", 1), sharded=saved.get("sharded", False))
+    with pytest.raises(SystemExit, match=message):
+        resume_checkpoint(str(tmp_path / "run"), args=flow_grpo.Args(**now), world=world, script="flow_grpo.py")
+
+
+def test_unreadable_checkpoint(tmp_path):
+    from common import resume_checkpoint
+
+    path = checkpoint(tmp_path / "run", flow_grpo.Args())
+    (path / "run.json").write_text("{not json")
+    with pytest.raises(SystemExit, match=r"cannot be read \(JSONDecodeError in run.json\); resume from another one"):
+        resume_checkpoint(str(tmp_path / "run"), args=flow_grpo.Args(), world=1, script="flow_grpo.py")
+
+
+def test_kl_without_noise():
+    """Checked before any model loads now (it was found inside the KL, after the first rollout)."""
+    with pytest.raises(SystemExit, match=r"--beta > 0 needs --noise-level > 0 \(the KL divides by the step's "
+                                         r"variance\); pass --beta 0"):
+        check_args(flow_grpo, noise_level=0.0, beta=0.04)
 
 
 def test_world_size_must_divide_prompts():
@@ -74,8 +111,28 @@ def test_world_size_must_divide_prompts():
 
 
 def test_unknown_reward():
-    with pytest.raises(SystemExit, match=r"unknown reward 'aesthetic'; choose from \['hps', 'clip', 'pickscore'"):
-        load_rewards(["aesthetic"], "cpu")
+    with pytest.raises(SystemExit, match=r"unknown reward 'nonsense'; choose from \['hps', 'clip', 'pickscore', "
+                                         r"'imagereward', 'aesthetic', 'unifiedreward', 'jpeg'"):
+        load_rewards(["nonsense"], "cpu", models=RewardModels())
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--rewards", "nonsense"], "error: unknown reward 'nonsense'; choose from"),
+    (["--rewards", "hps", "--hps-checkpoint", "/nowhere/HPS_v2.1_compressed.pt"],
+     "error: --hps-checkpoint '/nowhere/HPS_v2.1_compressed.pt' does not exist; pass an existing path or a hub id"),
+    (["--rewards", "unifiedreward"], "error: the unifiedreward reward needs --unifiedreward-url"),
+    (["--prompts", "NOT_UTF8"], "is not UTF-8 text (byte 5); save it as UTF-8, a prompt per line"),
+    (["--resume", "/nowhere/run"], "error: --resume '/nowhere/run' is not a directory; pass a run directory"),
+])
+def test_bad_input_fails_before_any_model_loads(tmp_path, flags, message):
+    """The model path does not exist either: the error must be about the flag, so it came first."""
+    bad = tmp_path / "latin1.txt"
+    bad.write_bytes("a caf\xe9 on the left\n".encode("latin-1"))
+    flags = [str(bad) if f == "NOT_UTF8" else f for f in flags]
+    proc = run_script("flow_grpo.py", ["--model", str(tmp_path / "no_model"), "--prompts", "toy",
+                                       "--eval-prompts", "toy", *flags], check=False)
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr and message in last, proc.stderr[-2000:]
 
 
 def test_missing_model_path(tmp_path):
@@ -113,20 +170,48 @@ def test_cli_error_is_one_line(tmp_path):
 def test_paper_command_lines_parse():
     import tyro
 
-    dance = ("--model flux-dev --resolution 720 --guidance 3.5 --max-sequence-length 512 --num-steps 16 --group-size 12 "
-             "--prompts-per-iteration 16 --noise-form dance --noise-level 0.3 --timestep-selection random "
-             "--timestep-fraction 0.6 --same-init-noise --rewards hps clip --reward-combine advantages --no-global-std "
-             "--std-unbiased --adv-eps 1e-8 --beta 0 --full-finetune --learning-rate 1e-5 --updates-per-iteration 1 "
-             "--no-ema --micro-batch 4").split()
-    args = tyro.cli(flow_grpo.Args, args=dance)
-    assert args.rewards == ("hps", "clip") and args.noise_form == "dance" and not args.global_std and args.std_unbiased
+    dance = tyro.cli(dancegrpo.Args, args=[])  # torchrun --nproc_per_node 16 dancegrpo.py
+    assert (dance.model, dance.resolution, dance.max_sequence_length, dance.num_steps, dance.shift) == \
+        ("flux-dev", 720, 512, 16, 3.0)
+    assert (dance.noise_level, dance.timestep_fraction, dance.group_size, dance.prompts_per_iteration) == (0.3, 0.6, 12, 16)
+    assert dance.rewards == ("hps", "clip") and dance.reward_combine == "advantages" and not dance.global_std
+    assert (dance.adv_eps, dance.beta, dance.learning_rate, dance.updates_per_iteration) == (1e-8, 0.0, 1e-5, 3)
+    assert dance.full_finetune and not dance.ema
     default = tyro.cli(flow_grpo.Args, args=[])
     assert (default.num_steps, default.group_size, default.beta, default.noise_level) == (10, 24, 0.01, 0.7)
 
 
-def test_toy_preset_explicit_flags_win():
-    from common import apply_preset
+def test_toy_preset_explicit_flags_win(monkeypatch):
+    from common import parse_args
 
-    args = tyro_args = flow_grpo.Args(model="toy", beta=0.0)
-    apply_preset(tyro_args, flow_grpo.TOY, argv=["--model", "toy", "--beta", "0"])
+    monkeypatch.setattr("sys.argv", ["flow_grpo.py", "--model", "toy", "--beta", "0"])
+    args = parse_args(flow_grpo.Args, toy=flow_grpo.TOY, description="")
     assert args.beta == 0.0 and args.resolution == 32 and args.group_size == 12
+    monkeypatch.setattr("sys.argv", ["flow_grpo.py", "--beta", "0"])
+    assert parse_args(flow_grpo.Args, toy=flow_grpo.TOY, description="").resolution == 512  # no preset
+
+
+@pytest.mark.parametrize("script", ["flow_grpo.py", "densegrpo.py", "dancegrpo.py", "mixgrpo.py", "g2rpo.py"])
+def test_help(script):
+    """--help starts with the file's description, shows each default once, shows the TOY preset's values with
+    --model toy, and `--help | head` ends without a BrokenPipeError traceback."""
+    import subprocess
+    import sys
+
+    from helpers import ROOT
+
+    import ast
+
+    out = run_script(script, ["--help"]).stdout
+    names = {"flow_grpo.py": "Flow-GRPO:", "densegrpo.py": "DenseGRPO:", "dancegrpo.py": "DanceGRPO:",
+             "mixgrpo.py": "MixGRPO:", "g2rpo.py": "G2RPO:"}
+    assert out.splitlines()[2].startswith(names[script])
+    tree = ast.parse(open(os.path.join(ROOT, script)).read())
+    args = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Args")
+    docs = [n.value.value for n in args.body if isinstance(n, ast.Expr)]
+    assert len(docs) > 40 and not [d for d in docs if "(default" in d]  # tyro shows each default itself
+    toy = run_script(script, ["--model", "toy", "--help"]).stdout
+    assert "the defaults below are the file's TOY preset" in toy and "(default: 32)" in toy
+    head = subprocess.run(f"{sys.executable} {os.path.join(ROOT, script)} --help | head -3", shell=True,
+                          capture_output=True, text=True)
+    assert head.returncode == 0 and "Traceback" not in head.stderr and "BrokenPipe" not in head.stderr

@@ -89,8 +89,8 @@ def test_torchrun_two_processes(tiny, tmp_path):
 
 
 @pytest.mark.parametrize("over,message", [
-    ({"dense_ode_steps": 0}, r"--dense-ode-steps 0 is not allowed; use 1..10 \(default: n = t\)"),
-    ({"dense_ode_steps": 11}, r"--dense-ode-steps 11 is not allowed; use 1..10 \(default: n = t\)"),
+    ({"dense_ode_steps": 0}, r"--dense-ode-steps 0 is not allowed; use 1..10 or t"),
+    ({"dense_ode_steps": 11}, r"--dense-ode-steps 11 is not allowed; use 1..10 or t"),
     ({"eps1": 0.0}, "--eps1 0.0 / --eps2 0.01: both must be > 0"),
     ({"eps2": -0.01}, "--eps1 2.0 / --eps2 -0.01: both must be > 0"),
     ({"group_size": 1}, "--group-size 1 is not allowed; GRPO needs at least 2 images per prompt"),
@@ -102,10 +102,19 @@ def test_bad_input(over, message):
 
 def test_bad_psi_files(tmp_path):
     (tmp_path / "short.json").write_text(json.dumps({"psi": [0.7] * 3}))
-    with pytest.raises(SystemExit, match="has 3 values; --num-steps 10 needs exactly one per step"):
+    with pytest.raises(SystemExit, match="has 3 values; --num-steps 10 needs one per step"):
         densegrpo.load_psi(str(tmp_path / "short.json"), 10)
     (tmp_path / "neg.json").write_text(json.dumps([0.7, -0.1]))
-    with pytest.raises(SystemExit, match=r"has negative values \[-0.1\]; noise levels must be >= 0"):
+    with pytest.raises(SystemExit, match=r"has negative values \[-0.1\]; noise levels are >= 0"):
         densegrpo.load_psi(str(tmp_path / "neg.json"), 2)
-    with pytest.raises(SystemExit, match="does not exist; write one with --calibrate"):
+    with pytest.raises(SystemExit, match=r"cannot be read as JSON \(FileNotFoundError\); write one with --calibrate"):
         densegrpo.load_psi(str(tmp_path / "missing.json"), 2)
+    (tmp_path / "broken.json").write_text('{"psi": [0.7, ')
+    with pytest.raises(SystemExit, match=r"cannot be read as JSON \(JSONDecodeError\); write one with --calibrate"):
+        densegrpo.load_psi(str(tmp_path / "broken.json"), 2)
+    (tmp_path / "words.json").write_text('{"psi": ["a", "b"]}')
+    with pytest.raises(SystemExit, match="holds no list of numbers"):
+        densegrpo.load_psi(str(tmp_path / "words.json"), 2)
+    # checked before any model loads
+    with pytest.raises(SystemExit, match="cannot be read as JSON"):
+        check_args(densegrpo, psi=str(tmp_path / "broken.json"))

@@ -12,7 +12,8 @@ import torch
 import common
 import densegrpo
 import flow_grpo
-from common import LORA_TARGETS, ema_update, make_trainable, reference_kl, sde_step, sigma_schedule, spaced_indices, velocity
+from common import (LORA_TARGETS, ema_update, make_trainable, pipeline_sigmas, sde_mean_std, shifted_sigmas,
+                    spaced_indices, velocity)
 from helpers import ROOT, read_metrics, run_script, tiny_flags, tiny_model_dirs
 from tiny import build_flux, build_sd3
 
@@ -26,19 +27,20 @@ def tiny(tmp_path_factory):
 
 
 def test_pipeline_schedules():
-    torch.testing.assert_close(sigma_schedule(10, 3.0, build_sd3(), "sd3", 1024), torch.tensor(SD3_T10), atol=1e-4, rtol=0)
+    sd3 = pipeline_sigmas(build_sd3(), "sd3", num_steps=10, image_tokens=1024)
+    torch.testing.assert_close(sd3, torch.tensor(SD3_T10), atol=1e-4, rtol=0)
     flux = build_flux(dynamic_shifting=True)
-    torch.testing.assert_close(sigma_schedule(6, 3.0, flux, "flux", (512 // 16) ** 2), torch.tensor(FLUX_512_T6),
-                               atol=1e-4, rtol=0)
-    assert sigma_schedule(6, 3.0, flux, "flux", 4096)[5] > FLUX_512_T6[5]  # more tokens, more shift
+    torch.testing.assert_close(pipeline_sigmas(flux, "flux", num_steps=6, image_tokens=(512 // 16) ** 2),
+                               torch.tensor(FLUX_512_T6), atol=1e-4, rtol=0)
+    assert pipeline_sigmas(flux, "flux", num_steps=6, image_tokens=4096)[5] > FLUX_512_T6[5]  # more tokens, more shift
     # a static shift 3 scheduler (the toy's) gives DanceGRPO's shifted linspace exactly
     toy = build_flux(shift=3.0)
-    assert torch.equal(sigma_schedule(16, 3.0, toy, "flux", 64), sigma_schedule(16, 3.0))
+    assert torch.equal(pipeline_sigmas(toy, "flux", num_steps=16, image_tokens=64), shifted_sigmas(16, shift=3.0))
     # the documented noise of an untrained, stochastic last step: a sqrt(sigma / (1 - sigma)) sqrt(sigma), a = 0.7 / 0.9
     last_std = lambda s, a: a * math.sqrt(s / (1 - s)) * math.sqrt(s)  # noqa: E731
     assert last_std(SD3_T10[9], 0.7) == pytest.approx(0.0063, abs=2e-4)
-    assert last_std(float(sigma_schedule(10, 3.0)[9]), 0.7) == pytest.approx(0.202, abs=1e-3)
-    assert last_std(float(sigma_schedule(16, 3.0)[15]), 0.7) == pytest.approx(0.128, abs=1e-3)
+    assert last_std(float(shifted_sigmas(10, shift=3.0)[9]), 0.7) == pytest.approx(0.202, abs=1e-3)
+    assert last_std(float(shifted_sigmas(16, shift=3.0)[15]), 0.7) == pytest.approx(0.128, abs=1e-3)
     assert last_std(FLUX_512_T6[5], 0.9) == pytest.approx(0.288, abs=1e-3)
 
 
@@ -46,10 +48,10 @@ def run_in_process(script, args, monkeypatch):
     """Run an algorithm file's main block here, recording every sampling step (i, noise level, sigmas, x, v, x_next)."""
     calls, real = [], common.sde_step
 
-    def spy(v, x, sigmas, i, noise_level, prev_sample=None, generator=None, form="flow_grpo"):
-        out = real(v, x, sigmas, i, noise_level, prev_sample, generator, form)
+    def spy(v, x, sigmas, i, noise_level, *, prev_sample=None, generator=None, form="flow_grpo"):
+        out = real(v, x, sigmas, i, noise_level, prev_sample=prev_sample, generator=generator, form=form)
         if prev_sample is None:
-            calls.append((i, noise_level, sigmas.clone(), x.float(), v.float(), out[0]))
+            calls.append((i, noise_level, sigmas.clone(), x.float(), v.float(), out[0], form))
         return out
 
     monkeypatch.setattr(common, "sde_step", spy)
@@ -74,43 +76,64 @@ def test_untrained_last_step_is_deterministic(tiny, tmp_path, monkeypatch, scrip
                       num_steps=5, noise_level=0.7)
     calls = run_in_process(script, base, monkeypatch)
     assert levels(calls) == [0.7] * 4 + [0.0]  # T = 5: int(0.99 * 5) = 4 trained steps, the 5th is not
-    for i, _, sigmas, x, v, x_next in calls[-2:]:  # two micro-batches of 4
+    for i, _, sigmas, x, v, x_next, _ in calls[-2:]:  # two micro-batches of 4
         assert i == 4 and float(sigmas[5]) == 0
         torch.testing.assert_close(x_next, x - float(sigmas[4]) * v)
-    # by default Flow-GRPO samples with the pipeline's own schedule (SD3: diffusers' set_timesteps)
-    torch.testing.assert_close(sigmas, sigma_schedule(5, 3.0, build_sd3(), "sd3", 0))
-    assert not torch.equal(sigmas, sigma_schedule(5, 3.0))
-    # a trained last step keeps its noise; --schedule shifted gives DanceGRPO's linspace
+    # Flow-GRPO and DenseGRPO sample with the pipeline's own schedule (SD3: diffusers' set_timesteps)
+    torch.testing.assert_close(sigmas, pipeline_sigmas(build_sd3(), "sd3", num_steps=5, image_tokens=0))
+    assert not torch.equal(sigmas, shifted_sigmas(5, shift=3.0))
+    # a trained last step keeps its noise
     calls = run_in_process(script, tiny_flags(tiny["sd3"], tiny["prompts"], tmp_path / "b", num_iterations=1,
-                                              eval_every=0, guidance=4.5, num_steps=5, timestep_fraction=1.0,
-                                              schedule="shifted"), monkeypatch)
-    assert levels(calls) == [0.7] * 5 and torch.equal(calls[0][2], sigma_schedule(5, 3.0))
+                                              eval_every=0, guidance=4.5, num_steps=5, timestep_fraction=1.0),
+                           monkeypatch)
+    assert levels(calls) == [0.7] * 5
 
 
-def test_random_timesteps_never_train_the_last_step(tiny, tmp_path, monkeypatch):
+def test_dancegrpo_samples_its_schedule_and_decodes_x0_hat(tiny, tmp_path, monkeypatch):
+    """DanceGRPO: the shifted schedule, its constant-eta SDE at every step but the last, which is x - sigma v."""
     flags = tiny_flags(tiny["flux"], tiny["prompts"], tmp_path, num_iterations=1, eval_every=0, num_steps=6,
-                       timestep_selection="random", timestep_fraction=0.6, noise_form="dance", noise_level=0.3)
-    assert levels(run_in_process("flow_grpo.py", flags, monkeypatch)) == [0.3] * 5 + [0.0]
+                       no_full_finetune=True, updates_per_iteration=1)
+    calls = run_in_process("dancegrpo.py", flags, monkeypatch)
+    assert levels(calls) == [0.3] * 5 + [0.0] and {c[6] for c in calls} == {"dance"}
+    assert torch.equal(calls[0][2], shifted_sigmas(6, shift=3.0))
+    for i, _, sigmas, x, v, x_next, _ in calls[-2:]:
+        assert i == 5 and float(sigmas[6]) == 0
+        torch.testing.assert_close(x_next, x - float(sigmas[5]) * v)
 
 
 def test_kl_scales_against_hand_computation():
-    """Official: mean |mu - mu_ref|^2 / (2 std_dev_t^2), std_dev_t = a sqrt(sigma / (1 - sigma)); exact: / |dt| more."""
+    """The reference step mean is sde_mean_std's, as a hand computation: std_dev_t = a sqrt(sigma / (1 - sigma))
+    and mu = x + (v + std_dev_t^2 / (2 sigma) (x + (1 - sigma) v)) dt."""
     ref = build_flux().transformer
     g = torch.Generator().manual_seed(0)
-    x, mean = torch.randn(2, 4, 16, 16, generator=g), torch.randn(2, 4, 16, 16, generator=g)
+    x = torch.randn(2, 4, 16, 16, generator=g)
     emb = {"embeds": torch.randn(2, 16, 32, generator=g), "pooled": torch.randn(2, 32, generator=g)}
-    sigmas, i, a = sigma_schedule(10, 3.0), 3, 0.7
+    sigmas, i, a = shifted_sigmas(10, shift=3.0), 3, 0.7
     sigma, dt = float(sigmas[i]), float(sigmas[i + 1] - sigmas[i])
     with torch.no_grad():
         v_ref = velocity(ref, "flux", x, sigmas[i], emb, 3.5).float()
     std_dev_t = a * math.sqrt(sigma / (1 - sigma))
     mu_ref = x + (v_ref + std_dev_t**2 / (2 * sigma) * (x + (1 - sigma) * v_ref)) * dt
-    official = ((mean - mu_ref) ** 2).mean() / (2 * std_dev_t**2)
-    std = sde_step(v_ref, x, sigmas, i, a, prev_sample=x)[3]
-    kl = lambda exact: reference_kl(ref, "flux", x, sigmas, i, emb, 3.5, a, x, "flow_grpo", mean, std, False, exact)  # noqa: E731
-    torch.testing.assert_close(kl(False), official, rtol=1e-5, atol=0)
-    torch.testing.assert_close(kl(True), official / abs(dt), rtol=1e-5, atol=0)
+    mean, std, g_t = sde_mean_std(v_ref, x, sigmas, i, a)
+    torch.testing.assert_close(mean, mu_ref, rtol=1e-6, atol=1e-6)
+    assert g_t == pytest.approx(std_dev_t) and std == pytest.approx(std_dev_t * math.sqrt(-dt))
     assert 4 < 1 / abs(dt) < 28  # at T = 10 the exact form is 4x to 28x the official one
+
+
+def test_the_files_kl_forms_differ_by_one_over_dt(tiny, tmp_path):
+    """flow_grpo.py's own KL lines: with one trained step, the second mini-batch's KL (the first is 0: LoRA B
+    starts at 0, so the policy is the reference) in --kl-form exact is the official one divided by |dt|."""
+    metrics = {}
+    for form in ("official", "exact"):
+        out = tmp_path / form
+        run_script("flow_grpo.py", tiny_flags(tiny["flux"], tiny["prompts"], out, num_iterations=1, eval_every=0,
+                                              num_steps=4, timestep_fraction=0.25, beta=0.04, kl_form=form,
+                                              updates_per_iteration=2, learning_rate=1e-2))
+        metrics[form] = read_metrics(out)[1][1]
+    sigmas = pipeline_sigmas(build_flux(dynamic_shifting=True), "flux", num_steps=4, image_tokens=64)
+    step = float(sigmas[0] - sigmas[1])
+    assert metrics["official"]["train/kl"] > 0
+    assert metrics["exact"]["train/kl"] == pytest.approx(metrics["official"]["train/kl"] / step, rel=1e-4)
 
 
 def adapted(transformer):
@@ -120,12 +143,12 @@ def adapted(transformer):
 def test_lora_targets_skip_sd35_second_attention():
     sd3 = build_sd3().transformer
     modules = dict(sd3.named_modules())
-    make_trainable(sd3, "sd3", 4, 8, False, False)
+    make_trainable(sd3, "sd3", lora_rank=4, lora_alpha=8, full_finetune=False, reference=False)
     names = adapted(sd3)
     assert names == sorted(n for n in (f"transformer_blocks.0.{t}" for t in LORA_TARGETS["sd3"]) if modules.get(n))
     assert len(names) >= 7 and "transformer_blocks.0.attn2.to_q" in modules and not any("attn2" in n for n in names)
     flux = build_flux().transformer
-    make_trainable(flux, "flux", 4, 8, False, False)
+    make_trainable(flux, "flux", lora_rank=4, lora_alpha=8, full_finetune=False, reference=False)
     names = adapted(flux)
     assert "single_transformer_blocks.0.attn.to_q" in names and "transformer_blocks.0.ff_context.net.2" in names
     assert "single_transformer_blocks.0.proj_out" not in names
@@ -154,7 +177,7 @@ def test_timestep_reaches_the_transformer_in_float32():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("updates,expected", [(None, 3), (1, 1)])
+@pytest.mark.parametrize("updates,expected", [(3, 3), (1, 1)])
 def test_g2rpo_optimizer_steps_per_k(tiny, tmp_path, updates, expected):
     run_script("g2rpo.py", tiny_flags(tiny["flux"], tiny["prompts"], tmp_path, num_steps=6, sde_steps="0 1 4",
                                       lambdas="1 2", no_full_finetune=True, learning_rate=1e-2, num_iterations=1,
@@ -177,14 +200,14 @@ def test_calibration_seeks_balance_per_group():
     mixed = torch.where(torch.arange(P * G) % G < 9, 1.0, -1.0)  # 9 of 12 up in every group
     delta = torch.stack([balanced, one_sided, -one_sided, mixed, torch.zeros(P * G)], 1)
     psi, active = [0.7] * 5, [True] * 4 + [False]  # the last step is taken without noise: left alone
-    group = densegrpo.calibrate_step(psi, delta, 2, 0.01, (0.1, 1.5), group_size=G, active=active)
+    group = densegrpo.calibrate_step(psi, delta, eps1=2, eps2=0.01, psi_range=(0.1, 1.5), group_size=G, active=active)
     assert group == pytest.approx([0.71, 0.69, 0.69, 0.69, 0.7])
-    pooled = densegrpo.calibrate_step(psi, delta, 2, 0.01, (0.1, 1.5), group_size=0, active=active)
+    pooled = densegrpo.calibrate_step(psi, delta, eps1=2, eps2=0.01, psi_range=(0.1, 1.5), group_size=0, active=active)
     pooled_balance = abs(int((balanced > 0).sum() - (balanced < 0).sum()))
     assert pooled_balance >= 2 and pooled == pytest.approx([0.69, 0.69, 0.69, 0.69, 0.7])
     # the group rule is the pooled count over the number of groups: a pooled rule whose eps1 grows with the prompts
-    assert densegrpo.calibrate_step(psi, delta, 2 * P, 0.01, (0.1, 1.5), group_size=0) == pytest.approx(
-        densegrpo.calibrate_step(psi, delta, 2, 0.01, (0.1, 1.5), group_size=G))
+    assert densegrpo.calibrate_step(psi, delta, eps1=2 * P, eps2=0.01, psi_range=(0.1, 1.5), group_size=0) == \
+        pytest.approx(densegrpo.calibrate_step(psi, delta, eps1=2, eps2=0.01, psi_range=(0.1, 1.5), group_size=G))
 
 
 def test_spaced_completions_take_exactly_n_steps():
@@ -223,7 +246,7 @@ def test_open_clip_normalisation_comes_from_the_model(tmp_path):
     from safetensors.torch import save_file
 
     save_file(model.state_dict(), str(root / "open_clip_model.safetensors"))
-    fn = common.load_rewards(["clip"], "cpu", clip_model=str(root))["clip"]
+    fn = common.load_rewards(["clip"], "cpu", models=common.RewardModels(clip_model=str(root)))["clip"]
     x, prompts = images(2), ["a cat", "a dog"]
     m, s = torch.tensor(mean).view(1, 3, 1, 1), torch.tensor(std).view(1, 3, 1, 1)
     expected = manual_cosine(model.eval(), (x - m) / s, prompts, open_clip.get_tokenizer(f"local-dir:{root}"))

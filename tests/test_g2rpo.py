@@ -11,7 +11,8 @@ def tiny(tmp_path_factory):
 
 
 def g2_flags(tiny, out, kind="flux", **over):
-    base = dict(num_steps=6, sde_steps="0 1 4", lambdas="1 2 3", no_full_finetune=True, guidance=4.5 if kind == "sd3" else 3.5)
+    base = dict(num_steps=6, sde_steps="0 1 4", lambdas="1 2 3", no_full_finetune=True, updates_per_iteration=3,
+                guidance=4.5 if kind == "sd3" else 3.5)
     base.update(over)
     return tiny_flags(tiny[kind], tiny["prompts"], out, **base)
 
@@ -63,8 +64,8 @@ def test_torchrun_two_processes(tiny, tmp_path, full):
     ({"lambdas": ()}, r"--lambdas \[\] is not allowed; give distinct values in 1..15"),
     ({"lambdas": (0, 1)}, r"--lambdas \[0, 1\] is not allowed; give distinct values in 1..15"),
     ({"lambdas": (1, 16)}, r"--lambdas \[1, 16\] is not allowed; give distinct values in 1..15"),
-    ({"lambdas": (1, 2, 2)}, r"--lambdas \[1, 2, 2\] is not allowed; give distinct values in 1..15 \(a repeated stride "
-                             r"only duplicates identical advantages\)"),
+    ({"lambdas": (1, 2, 2)}, r"--lambdas \[1, 2, 2\] is not allowed; give distinct values in 1..15"),
+    ({"sde_steps": (0, 1, 2)}, r"--updates-per-iteration 8 is not allowed; use 1..3 \(mini-batches per iteration\)"),
     ({"sde_steps": ()}, r"--sde-steps \[\] is not allowed; give distinct values in 0..15"),
     ({"sde_steps": (0, 16)}, r"--sde-steps \[0, 16\] is not allowed; give distinct values in 0..15"),
     ({"sde_steps": (-1,)}, r"--sde-steps \[-1\] is not allowed; give distinct values in 0..15"),
@@ -81,4 +82,5 @@ def test_paper_command_line_parses():
     args = tyro.cli(g2rpo.Args, args=["--lambdas", "1", "2", "3"])
     assert args.lambdas == (1, 2, 3) and args.sde_steps == tuple(range(8)) and args.full_finetune
     assert (args.num_steps, args.group_size, args.noise_level, args.learning_rate) == (16, 12, 0.7, 2e-6)
+    assert args.updates_per_iteration == len(args.sde_steps) == 8 and args.beta == 0  # one step per trained k
     assert args.rewards == ("hps", "clip") and args.model == "flux-dev" and args.resolution == 720

@@ -4,8 +4,8 @@ import math
 import pytest
 import torch
 
-from common import (combine_advantages, gaussian_log_prob, group_advantages, ode_step, sde_step, sigma_schedule,
-                    strided_indices)
+from common import (combine_advantages, gaussian_log_prob, group_advantages, ode_step, sde_mean_std, sde_step,
+                    shifted_sigmas, strided_indices)
 
 
 def exact_velocity(x, sigma, m, s):
@@ -20,11 +20,11 @@ TOL = 5 * math.sqrt(2 / (4 * N)) + 0.02  # 5 standard errors of a std estimate p
 
 
 def test_schedule_endpoints_and_shift():
-    s = sigma_schedule(16, 3.0)
+    s = shifted_sigmas(16, shift=3.0)
     assert len(s) == 17 and s[0] == 1 and s[-1] == 0 and (s[1:] < s[:-1]).all()
     u = torch.linspace(1, 0, 17, dtype=torch.float64)
     torch.testing.assert_close(s, (3 * u / (1 + 2 * u)).float())
-    torch.testing.assert_close(sigma_schedule(4, 1.0), torch.tensor([1.0, 0.75, 0.5, 0.25, 0.0]))
+    torch.testing.assert_close(shifted_sigmas(4, shift=1.0), torch.tensor([1.0, 0.75, 0.5, 0.25, 0.0]))
 
 
 @pytest.mark.parametrize("start,end,stride,expected", [(1, 16, 1, list(range(1, 17))), (1, 16, 3, [1, 4, 7, 10, 13, 16]),
@@ -36,7 +36,7 @@ def test_strided_indices_end_at_zero(start, end, stride, expected):
 
 def test_ode_transports_noise_to_data():
     torch.manual_seed(0)
-    sigmas = sigma_schedule(200, 1.0)
+    sigmas = shifted_sigmas(200, shift=1.0)
     x = torch.randn(N, 4)
     for i in range(200):
         x = ode_step(exact_velocity(x, float(sigmas[i]), M, S), x, sigmas[i], sigmas[i + 1])
@@ -52,7 +52,8 @@ def test_sde_keeps_every_marginal(form, level):
     sigmas = torch.cat([torch.ones(1), torch.linspace(0.9, 0, 101)])  # index 0 (sigma = 1) is only the reference
     x = (1 - 0.9) * (M + S * torch.randn(N, 4, generator=gen)) + 0.9 * torch.randn(N, 4, generator=gen)
     for i in range(1, 101):
-        x, _, _, _ = sde_step(exact_velocity(x, float(sigmas[i]), M, S), x, sigmas, i, level, generator=gen, form=form)
+        x, _, _, _ = sde_step(exact_velocity(x, float(sigmas[i]), M, S), x, sigmas, i, level, generator=gen,
+                              form=form)
         sig = float(sigmas[i + 1])
         assert abs(x.mean() - (1 - sig) * M) < TOL, (i, sig)
         assert abs(x.std() - math.sqrt((1 - sig) ** 2 * S**2 + sig**2)) < TOL, (i, sig)
@@ -63,7 +64,7 @@ def test_first_step_from_pure_noise_closed_form(level):
     """At sigma = 1 the official coefficient uses sigma' = sigmas[1], so g^2 |dt| = a^2 and one Euler-Maruyama step
     gives Var = (1 + dt - a^2 / 2)^2 + a^2 exactly (the continuous SDE would give (1 + dt)^2 + dt^2 s^2)."""
     gen = torch.Generator().manual_seed(3)
-    sigmas = sigma_schedule(100, 1.0)
+    sigmas = shifted_sigmas(100, shift=1.0)
     x = torch.randn(N, 4, generator=gen)
     x1, _, _, std = sde_step(exact_velocity(x, 1.0, M, S), x, sigmas, 0, level, generator=gen)
     dt = float(sigmas[1]) - 1
@@ -73,7 +74,7 @@ def test_first_step_from_pure_noise_closed_form(level):
 
 def test_log_prob_matches_torch_normal_and_noise_scale():
     gen = torch.Generator().manual_seed(2)
-    sigmas = sigma_schedule(10, 3.0)
+    sigmas = shifted_sigmas(10, shift=3.0)
     x, v = torch.randn(3, 4, 8, 8, generator=gen), torch.randn(3, 4, 8, 8, generator=gen)
     for i in (0, 4, 9):
         x_next, log_prob, mean, std = sde_step(v, x, sigmas, i, 0.7, generator=gen)
@@ -84,11 +85,14 @@ def test_log_prob_matches_torch_normal_and_noise_scale():
         assert std == pytest.approx(0.7 * math.sqrt(sigma / denom) * math.sqrt(sigma - sigma_next), rel=1e-6)
         # recomputing with the sample given reproduces the same log-prob bit for bit
         assert torch.equal(sde_step(v, x, sigmas, i, 0.7, prev_sample=x_next)[1], log_prob)
+        # the mean and std the KL uses are the step's own, and std_dev_t is std / sqrt(-dt)
+        m2, s2, g = sde_mean_std(v, x, sigmas, i, 0.7)
+        assert torch.equal(m2, mean) and s2 == std and g * math.sqrt(sigma - sigma_next) == pytest.approx(std)
     assert gaussian_log_prob(x, x, 1.0).allclose(torch.full((3,), -0.5 * math.log(2 * math.pi)))
 
 
 def test_noise_level_zero_is_euler():
-    sigmas = sigma_schedule(10, 3.0)
+    sigmas = shifted_sigmas(10, shift=3.0)
     x, v = torch.randn(2, 4, 4, 4), torch.randn(2, 4, 4, 4)
     x_next, log_prob, mean, std = sde_step(v, x, sigmas, 3, 0.0, generator=torch.Generator())
     assert std == 0 and torch.equal(x_next, mean) and (log_prob == 0).all()
@@ -108,9 +112,12 @@ def test_group_advantages():
 def test_combine_advantages_modes():
     g = torch.Generator().manual_seed(0)
     a, b = torch.rand(3, 6, generator=g), 100 * torch.rand(3, 6, generator=g)
-    per = combine_advantages({"a": a, "b": b}, {"a": 1.0, "b": 2.0}, "advantages", 1e-8, True, False, 5.0)
-    torch.testing.assert_close(per, group_advantages(a, 1e-8, True) + 2 * group_advantages(b, 1e-8, True))
-    summed = combine_advantages({"a": a, "b": b}, {"a": 1.0, "b": 2.0}, "rewards", 1e-8, True, False, 5.0)
-    torch.testing.assert_close(summed, group_advantages(a + 2 * b, 1e-8, True))
-    big = combine_advantages({"a": torch.tensor([[0.0] * 99 + [1.0]])}, {"a": 1.0}, "rewards", 1e-8, True, False, 5.0)
-    assert big.max() == 5.0
+    norm = dict(eps=1e-8, unbiased=True, global_std=False)
+    per = combine_advantages({"a": a, "b": b}, {"a": 1.0, "b": 2.0}, mode="advantages", **norm)
+    torch.testing.assert_close(per, group_advantages(a, eps=1e-8, unbiased=True)
+                               + 2 * group_advantages(b, eps=1e-8, unbiased=True))
+    summed = combine_advantages({"a": a, "b": b}, {"a": 1.0, "b": 2.0}, mode="rewards", **norm)
+    torch.testing.assert_close(summed, group_advantages(a + 2 * b, eps=1e-8, unbiased=True))
+    # no clipping inside: one outlier of 100 gets (1 - 0.01) / std = 9.9, the files clip it to +-5 themselves
+    big = combine_advantages({"a": torch.tensor([[0.0] * 99 + [1.0]])}, {"a": 1.0}, mode="rewards", **norm)
+    assert big.max() == pytest.approx(9.9, rel=1e-3) and big.clamp(-5, 5).max() == 5.0

@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from common import clipped_policy_loss, make_trainable, sde_step, select, sigma_schedule, velocity
+from common import make_trainable, sde_step, select, shifted_sigmas, velocity
 from helpers import ROOT, read_metrics, run_script, tiny_flags, tiny_model_dirs
 from tiny import build_flux, build_sd3
 
@@ -21,7 +21,9 @@ def loss_and_grads(kind, checkpointing, lora):
     """One PPO-clip loss through common.velocity on a fixed batch; returns the gradients and how often block 0 ran."""
     pipe = build_flux(seed=0) if kind == "flux" else build_sd3(seed=0)
     transformer = pipe.transformer
-    params, _ = make_trainable(transformer, kind, 4, 8, not lora, False, checkpointing=checkpointing)
+    params, _ = make_trainable(transformer, kind, lora_rank=4, lora_alpha=8, full_finetune=not lora, reference=False,
+                               checkpointing=checkpointing)
+    params = list(params.values())
     if lora:  # LoRA B starts at 0: move it so that every adapter has a gradient path
         with torch.no_grad():
             for p in params:
@@ -33,11 +35,11 @@ def loss_and_grads(kind, checkpointing, lora):
     x, x_next = torch.randn(3, 4, 16, 16, generator=g), torch.randn(3, 4, 16, 16, generator=g)
     text = 32 if kind == "flux" else 64
     emb = {"embeds": torch.randn(3, 16, text, generator=g), "pooled": torch.randn(3, text, generator=g)}
-    sigmas = sigma_schedule(4, 3.0)
-    _, log_prob, _, _ = sde_step(velocity(transformer, kind, x, sigmas[1], select(emb, torch.arange(3)), 3.5), x, sigmas,
-                                 1, 0.7, prev_sample=x_next)
-    loss, _, _ = clipped_policy_loss(log_prob, log_prob.detach(), torch.tensor([1.0, -0.5, 0.3]), 1e-4)
-    loss.backward()
+    sigmas = shifted_sigmas(4, shift=3.0)
+    v = velocity(transformer, kind, x, sigmas[1], select(emb, torch.arange(3)), 3.5)
+    _, log_prob, _, _ = sde_step(v, x, sigmas, 1, 0.7, prev_sample=x_next)
+    ratio, adv = torch.exp(log_prob - log_prob.detach()), torch.tensor([1.0, -0.5, 0.3])
+    torch.max(-adv * ratio, -adv * ratio.clamp(1 - 1e-4, 1 + 1e-4)).mean().backward()  # the files' PPO loss
     return [p.grad.clone() for p in params], len(calls)
 
 
@@ -104,3 +106,36 @@ def test_sharded_resume_and_export(tiny, tmp_path):
     trained = loaded.state_dict()
     assert trained.keys() == base.keys()
     assert sum(not torch.equal(base[k], trained[k]) for k in base) > len(base) // 2
+
+
+@pytest.mark.slow
+def test_distributed_checks(tmp_path):
+    """tests/dist_checks.py on 2 ranks: FSDP2 blocks receive RoPE in float32 (as an unsharded bf16 model's do), a
+    sharded reference's FSDP2 forward record stays bounded over 5 iterations, and the resumed checkpoint is rank
+    0's choice on every rank even when another rank's directory listing would pick another one."""
+    import dataclasses
+    import json
+
+    import flow_grpo
+
+    root = tmp_path / "run"
+    for it in (1, 2):
+        ckpt = root / "checkpoints" / f"iter_{it}"
+        ckpt.mkdir(parents=True)
+        run = {"iteration": it, "script": "flow_grpo.py", "world": 2, "sharded": False,
+               "args": dataclasses.asdict(flow_grpo.Args())}
+        (ckpt / "run.json").write_text(json.dumps(run))
+    out = tmp_path / "checks.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           os.path.join(ROOT, "tests", "dist_checks.py"), str(out), str(root)],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    for block in ("FluxTransformerBlock", "FluxSingleTransformerBlock"):
+        sharded, unsharded = result["dtypes"]["sharded"][block], result["dtypes"]["unsharded"][block]
+        assert sharded["rope"] == unsharded["rope"] == ["torch.float32", "torch.float32"], result["dtypes"]
+        assert sharded == unsharded
+    assert result["bookkeeping"] == [0] * 5, result["bookkeeping"]  # was 9, 18, 27, ... before forget_forwards
+    expected = [str(root / "checkpoints" / "iter_2"), 2]
+    assert result["resume"] == [expected, expected], result["resume"]

@@ -1,0 +1,337 @@
+"""The learned reward models, each loaded as fn(images [B, 3, H, W] in [0, 1], prompts) -> float32 [B]:
+HPS-v2.1 and the CLIP score (open_clip), PickScore, ImageReward (a port onto transformers' BLIP modules), the
+LAION aesthetic predictor, UnifiedReward (a client for an OpenAI-compatible server). common.load_rewards
+imports this module only when one of them is asked for; where their weights come from is common.RewardModels.
+
+The towers run in the given dtype (bf16 on GPUs), every projection, logit scale and head in float32."""
+import io
+import json
+import os
+
+import torch
+
+from common import RewardModels, fail, load_safely
+
+
+def hub_file(spec: str, flag: str) -> str:
+    """A local file, or 'repo:filename' downloaded from the hub; else a one-line error naming `flag`."""
+    if os.path.isfile(spec):
+        return spec
+    repo, _, filename = spec.partition(":")
+    from huggingface_hub import hf_hub_download
+    try:
+        return hf_hub_download(repo, filename)
+    except Exception as e:
+        fail(f"{flag} {spec!r} is neither a local file nor downloadable ({type(e).__name__}); pass a local "
+             f"path")
+
+
+def load(name: str, device, *, models: RewardModels, dtype=torch.float32):
+    """The reward `name` (one of common.LEARNED), from the locations in `models`."""
+    if name == "hps":
+        checkpoint = hub_file(models.hps_checkpoint, "--hps-checkpoint")
+        return open_clip_reward("ViT-H-14", device, checkpoint, pad_square=True, dtype=dtype)
+    if name == "clip":  # CLIP score (MixGRPO, G2RPO)
+        return open_clip_reward(models.clip_model, device, dtype=dtype)
+    if name == "pickscore":
+        return pickscore_reward(models.pickscore_model, models.pickscore_processor, device, dtype=dtype)
+    if name == "imagereward":
+        return imagereward_reward(models.imagereward_checkpoint, models.imagereward_med_config,
+                                  models.imagereward_tokenizer, device, dtype=dtype)
+    if name == "aesthetic":
+        return aesthetic_reward(models.aesthetic_head, models.aesthetic_clip, device, dtype=dtype)
+    if name == "unifiedreward":
+        return unifiedreward_reward(models.unifiedreward_url, model=models.unifiedreward_model)
+    fail(f"{name!r} is not a reward model of rewards.py")
+
+
+def _clip_preprocess(images, size: int, mean, std, pad_square: bool):
+    """Resize the longest side to `size` and pad (HPS's ResizeMaxSize, sizes rounded), or the shortest side
+    and centre-crop (torchvision's and CLIP's processors: sizes truncated, the crop offset rounded);
+    normalise."""
+    import torch.nn.functional as F
+
+    h, w = images.shape[-2:]
+    if pad_square:
+        nh, nw = max(1, round(h * size / max(h, w))), max(1, round(w * size / max(h, w)))
+    else:
+        nh, nw = (size, int(size * w / h)) if h <= w else (int(size * h / w), size)
+    x = images.float()
+    if (nh, nw) != (h, w):
+        x = F.interpolate(x, size=(nh, nw), mode="bicubic", align_corners=False, antialias=True).clamp(0, 1)
+    if pad_square:
+        x = F.pad(x, (0, size - nw, 0, size - nh))
+    else:
+        top, left = round((nh - size) / 2), round((nw - size) / 2)
+        x = x[..., top:top + size, left:left + size]
+    mean, std = torch.tensor(mean).view(1, 3, 1, 1).to(x), torch.tensor(std).view(1, 3, 1, 1).to(x)
+    return (x - mean) / std
+
+
+def float32_head(owner, name: str):
+    """Take the projection owner.<name> (a matrix or a Linear) out of a tower about to run in bf16, so that it
+    runs in float32 on the tower's output instead: fn(features) -> float32 features."""
+    head = getattr(owner, name)
+    setattr(owner, name, None)
+    if isinstance(head, torch.nn.Linear):
+        head = head.float()
+        return lambda features: head(features.float())
+    if head is None:
+        return lambda features: features.float()
+    weight = head.detach().float()
+    return lambda features: features.float() @ weight
+
+
+def open_clip_reward(name: str, device, checkpoint: str | None = None, *, pad_square: bool = False,
+                     dtype=torch.float32):
+    """Cosine of the L2-normalised open_clip image and text features (no logit scale), the towers in `dtype`,
+    the projections in float32. `name`: an architecture ('ViT-H-14', built without pretrained weights),
+    'hf-hub:...' or a local open_clip directory; `checkpoint`: a state_dict loaded strictly on top (HPS)."""
+    import open_clip
+
+    name = f"local-dir:{name}" if os.path.isdir(name) else name
+    try:
+        model = open_clip.create_model(name, pretrained=None)
+    except Exception as e:
+        fail(f"cannot load open_clip model {name!r} ({str(e).splitlines()[0][:200]}); pass a local directory")
+    if checkpoint:
+        state = load_safely(checkpoint)
+        model.load_state_dict(state.get("state_dict", state), strict=True)
+    model.eval().requires_grad_(False).to(device)
+    image_head, text_head = float32_head(model.visual, "proj"), float32_head(model, "text_projection")
+    model.to(dtype)
+    size, cfg = model.visual.image_size, open_clip.get_model_preprocess_cfg(model)  # its own mean / std
+    size = size[0] if isinstance(size, (tuple, list)) else size
+    tokenizer = open_clip.get_tokenizer(name)
+
+    @torch.no_grad()
+    def score(images, prompts):
+        x = _clip_preprocess(images.to(device), size, cfg["mean"], cfg["std"], pad_square).to(dtype)
+        img = torch.nn.functional.normalize(image_head(model.encode_image(x)), dim=-1)
+        txt = text_head(model.encode_text(tokenizer(list(prompts)).to(device)))
+        return (img * torch.nn.functional.normalize(txt, dim=-1)).sum(-1)
+
+    return score
+
+
+def pickscore_reward(model_path: str, processor_path: str, device, *, dtype=torch.float32):
+    """PickScore as Flow-GRPO's reward: logit_scale.exp() cos(text, image) / 26 (transformers CLIPModel); the
+    towers in `dtype`, the projections and the logit scale in float32."""
+    from transformers import AutoProcessor, CLIPModel
+
+    try:
+        processor = AutoProcessor.from_pretrained(processor_path)
+        model = CLIPModel.from_pretrained(model_path).eval().requires_grad_(False)
+    except Exception as e:
+        fail(f"cannot load PickScore from {model_path!r} / {processor_path!r} ({type(e).__name__}); "
+             f"pass --pickscore-model and --pickscore-processor local directories")
+    scale = model.logit_scale.detach().float().exp().to(device)
+    image_head = model.visual_projection.float().to(device)
+    text_head = model.text_projection.float().to(device)
+    vision, text = model.vision_model.to(device, dtype), model.text_model.to(device, dtype)
+    ip = processor.image_processor
+    size = ip.crop_size if isinstance(ip.crop_size, int) else ip.crop_size["height"]
+
+    @torch.no_grad()
+    def score(images, prompts):
+        x = _clip_preprocess(images.to(device), size, ip.image_mean, ip.image_std, False).to(dtype)
+        tok = processor.tokenizer(list(prompts), padding="max_length", truncation=True, max_length=77,
+                                  return_tensors="pt").to(device)
+        img = torch.nn.functional.normalize(image_head(vision(pixel_values=x).pooler_output.float()), dim=-1)
+        txt = torch.nn.functional.normalize(text_head(text(**tok).pooler_output.float()), dim=-1)
+        return scale * (img * txt).sum(-1) / 26
+
+    return score
+
+
+# ImageReward.pt's BLIP ViT (timm-style names under blip.visual_encoder.) -> transformers' BlipVisionModel
+_IR_VISION = [(r"cls_token", "embeddings.class_embedding"), (r"pos_embed", "embeddings.position_embedding"),
+              (r"patch_embed\.proj\.(\w+)", r"embeddings.patch_embedding.\1"),
+              (r"blocks\.(\d+)\.norm([12])\.(\w+)", r"encoder.layers.\1.layer_norm\2.\3"),
+              (r"blocks\.(\d+)\.attn\.qkv\.(\w+)", r"encoder.layers.\1.self_attn.qkv.\2"),
+              (r"blocks\.(\d+)\.attn\.proj\.(\w+)", r"encoder.layers.\1.self_attn.projection.\2"),
+              (r"blocks\.(\d+)\.mlp\.(fc[12])\.(\w+)", r"encoder.layers.\1.mlp.\2.\3"),
+              (r"norm\.(\w+)", r"post_layernorm.\1")]
+# keys the score never reads (the original loads with strict=False): BLIP's contrastive projections, a buffer
+_IR_UNUSED = ("blip.vision_proj.weight", "blip.vision_proj.bias", "blip.text_proj.weight",
+              "blip.text_proj.bias", "blip.text_encoder.embeddings.position_ids")
+
+
+def imagereward_reward(checkpoint: str, med_config: str, tokenizer: str, device, *, dtype=torch.float32):
+    """ImageReward as THUDM's image-reward package scores it, without that package, on transformers' BLIP
+    modules: the BLIP ViT (BlipVisionModel, sizes read from the checkpoint, 64-wide heads) -> BERT with
+    cross-attention to every image token (BlipTextModel from med_config.json) -> the [CLS] feature -> the MLP
+    768-1024-128-64-16-1 (no activations) -> (r - 0.16717362830052426) / 1.0333394966054072. Prompts padded
+    and truncated to 35 tokens, [CLS] first; CLIP preprocessing at 224. Towers in `dtype`, the head in
+    float32."""
+    import re
+
+    from transformers import BertTokenizer, BlipTextConfig, BlipTextModel, BlipVisionConfig, BlipVisionModel
+
+    state = load_safely(hub_file(checkpoint, "--imagereward-checkpoint"))
+    with open(hub_file(med_config, "--imagereward-med-config")) as f:
+        med = json.load(f)
+    try:
+        tok = BertTokenizer.from_pretrained(tokenizer)
+    except Exception as e:
+        fail(f"cannot load the ImageReward tokenizer {tokenizer!r} ({type(e).__name__}); pass "
+             f"--imagereward-tokenizer /path/to/bert-base-uncased")
+    tok.add_special_tokens({"bos_token": "[DEC]", "additional_special_tokens": ["[ENC]"]})  # as BLIP's
+    vision_sd, text_sd, head_sd, unknown = {}, {}, {}, []
+    heads = sorted({int(k.split(".")[2]) for k in state if k.startswith("mlp.layers.")})
+    for key, value in state.items():
+        name = key.split(".", 2)[-1]
+        if key.startswith("blip.visual_encoder."):
+            new = next((re.sub(f"^{a}$", b, name) for a, b in _IR_VISION if re.fullmatch(a, name)), None)
+            vision_sd[new] = value
+            unknown += [key] if new is None else []
+        elif key.startswith("blip.text_encoder.") and key not in _IR_UNUSED:
+            text_sd[name] = value  # BLIP's med.py BertModel names are BlipTextModel's
+        elif key.startswith("mlp.layers."):  # Linear layers 0, 2, 4, 6, 7 of a Sequential with dropouts
+            head_sd[f"{heads.index(int(name.split('.')[0]))}.{name.split('.')[1]}"] = value
+        elif key not in _IR_UNUSED:
+            unknown.append(key)
+    if unknown:
+        fail(f"the ImageReward checkpoint has keys that are not ImageReward's ({', '.join(unknown[:3])}); "
+             f"pass --imagereward-checkpoint /path/to/ImageReward.pt")
+    width, _, _, patch = vision_sd["embeddings.patch_embedding.weight"].shape
+    grid = round((vision_sd["embeddings.position_embedding"].shape[1] - 1) ** 0.5)
+    layers = len({k.split(".")[2] for k in vision_sd if k.startswith("encoder.layers.")})
+    vision = BlipVisionModel(BlipVisionConfig(  # BLIP's vit.py: GELU, LayerNorm eps 1e-6
+        hidden_size=width, intermediate_size=vision_sd["encoder.layers.0.mlp.fc1.weight"].shape[0],
+        num_hidden_layers=layers, num_attention_heads=width // 64, image_size=patch * grid, patch_size=patch,
+        hidden_act="gelu", layer_norm_eps=1e-6))
+    text_cfg = {k: med[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                    "num_attention_heads", "max_position_embeddings", "hidden_act",
+                                    "layer_norm_eps", "pad_token_id")}
+    # is_decoder only builds the cross-attention; the forward passes is_decoder=False (bidirectional)
+    text = BlipTextModel(BlipTextConfig(**text_cfg, encoder_hidden_size=width, hidden_dropout_prob=0.0,
+                                        attention_probs_dropout_prob=0.0, is_decoder=True,
+                                        bos_token_id=tok.bos_token_id, sep_token_id=tok.sep_token_id),
+                         add_pooling_layer=False)
+    shapes = [head_sd[f"{i}.weight"].shape for i in range(len(heads))]
+    head = torch.nn.Sequential(*[torch.nn.Linear(n_in, n_out) for n_out, n_in in shapes])
+    for module, sd in ((vision, vision_sd), (text, text_sd), (head, head_sd)):
+        module.load_state_dict(sd, strict=True)
+        module.eval().requires_grad_(False).to(device, dtype if module is not head else torch.float32)
+    size = vision.config.image_size
+    clip_mean, clip_std = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)
+
+    def tokenize(prompts):
+        return tok(list(prompts), padding="max_length", truncation=True, max_length=35, return_tensors="pt")
+
+    @torch.no_grad()
+    def score(images, prompts):
+        x = _clip_preprocess(images.to(device), size, clip_mean, clip_std, False).to(dtype)
+        t = tokenize(prompts).to(device)
+        image_tokens = vision(pixel_values=x).last_hidden_state  # every token attended to, as the original
+        cls = text(input_ids=t.input_ids, attention_mask=t.attention_mask, encoder_hidden_states=image_tokens,
+                   is_decoder=False).last_hidden_state[:, 0]
+        return (head(cls.float()).squeeze(-1) - 0.16717362830052426) / 1.0333394966054072
+
+    score.tokenize = tokenize  # the original's tokenisation (tests)
+    return score
+
+
+def aesthetic_reward(head: str, clip_model: str, device, *, dtype=torch.float32):
+    """The LAION improved aesthetic predictor as Flow-GRPO's aesthetic_scorer.py: the L2-normalised projected
+    CLIP ViT-L/14 image embedding through the MLP d-1024-128-64-16-1 (no activations; the state_dict keys
+    layers.0/2/4/6/7) of sac+logos+ava1-l14-linearMSE.pth; about 1-10. CLIP in `dtype`, the head in
+    float32."""
+    from transformers import CLIPImageProcessor, CLIPModel
+
+    try:
+        ip = CLIPImageProcessor.from_pretrained(clip_model)
+        model = CLIPModel.from_pretrained(clip_model).eval().requires_grad_(False)
+    except Exception as e:
+        fail(f"cannot load the aesthetic CLIP {clip_model!r} ({type(e).__name__}); pass --aesthetic-clip")
+    state = load_safely(hub_file(head, "--aesthetic-head"))
+    linear = (0, 2, 4, 6, 7)  # the Linear layers between the dropouts of the official nn.Sequential
+    if sorted(state) != sorted(f"layers.{i}.{p}" for i in linear for p in ("weight", "bias")) or \
+            state["layers.0.weight"].shape[1] != model.config.projection_dim:
+        fail(f"--aesthetic-head {head!r} is not the aesthetic predictor's head for {clip_model!r} (keys "
+             f"layers.0/2/4/6/7, input {model.config.projection_dim})")
+    mlp = torch.nn.Sequential(*[torch.nn.Linear(*state[f"layers.{i}.weight"].shape[::-1]) for i in linear])
+    mlp.load_state_dict({f"{j}.{p}": state[f"layers.{i}.{p}"] for j, i in enumerate(linear)
+                         for p in ("weight", "bias")})
+    mlp.eval().requires_grad_(False).to(device)
+    image_head = model.visual_projection.float().to(device)
+    vision = model.vision_model.to(device, dtype)
+    size = ip.crop_size if isinstance(ip.crop_size, int) else ip.crop_size["height"]
+
+    @torch.no_grad()
+    def score(images, prompts):
+        x = _clip_preprocess(images.to(device), size, ip.image_mean, ip.image_std, False).to(dtype)
+        embedding = image_head(vision(pixel_values=x).pooler_output.float())
+        return mlp(torch.nn.functional.normalize(embedding, dim=-1)).squeeze(-1)
+
+    return score
+
+
+# UnifiedReward's point-score question, as its sglang_inference.py and Flow-GRPO's rewards.py send it
+UNIFIEDREWARD_QUESTION = (
+    "<image>\nYou are given a text caption and a generated image based on that caption. Your task is to "
+    "evaluate this image based on two key criteria:\n1. Alignment with the Caption: Assess how well this "
+    "image aligns with the provided caption. Consider the accuracy of depicted objects, their relationships, "
+    "and attributes as described in the caption.\n2. Overall Image Quality: Examine the visual quality of "
+    "this image, including clarity, detail preservation, color accuracy, and overall aesthetic appeal.\n"
+    "Based on the above criteria, assign a score from 1 to 5 after 'Final Score:'.\nYour task is provided as "
+    "follows:\nText Caption: [{prompt}]")
+
+
+def unifiedreward_reward(url: str, *, model: str, scale: float = 5.0, workers: int = 8, timeout: float = 120,
+                         retries: int = 3):
+    """UnifiedReward from a server with the OpenAI chat-completions API (sglang, vLLM): one request per image
+    (its 512 x 512 PNG as a data URL, then UNIFIEDREWARD_QUESTION), temperature 0, `workers` at a time, each
+    retried `retries` times after connection errors, timeouts and 5xx; the first 'Final Score: x' (1-5) of the
+    answer / `scale` (5: Flow-GRPO's reward; 1: the papers' 1-5). A server that cannot be reached or an answer
+    without a score stops the run with a one-line error (never a silent 0)."""
+    import base64
+    import concurrent.futures
+    import re
+    import time
+    import urllib.error
+    import urllib.request
+
+    from PIL import Image
+
+    endpoint = url.rstrip("/").removesuffix("/v1") + "/v1/chat/completions"
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # a local or in-cluster server
+
+    def ask(pixels, prompt: str) -> str:
+        buf = io.BytesIO()
+        Image.fromarray(pixels).resize((512, 512), Image.BICUBIC).save(buf, format="PNG")
+        data = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+        content = [{"type": "image_url", "image_url": {"url": data}},
+                   {"type": "text", "text": UNIFIEDREWARD_QUESTION.format(prompt=prompt)}]
+        body = {"model": model, "messages": [{"role": "user", "content": content}], "temperature": 0}
+        headers = {"Content-Type": "application/json"}
+        request = urllib.request.Request(endpoint, json.dumps(body).encode(), headers)
+        for attempt in range(retries + 1):
+            time.sleep(0.5 * (2**attempt - 1))  # 0, 0.5, 1.5, 3.5 s
+            try:
+                with opener.open(request, timeout=timeout) as response:
+                    return json.loads(response.read())["choices"][0]["message"]["content"] or ""
+            except urllib.error.HTTPError as e:
+                error = f"HTTP {e.code}"
+                if e.code < 500:  # a bad request stays bad
+                    break
+            except (OSError, ValueError, KeyError, IndexError) as e:
+                error = f"{type(e).__name__}: {str(getattr(e, 'reason', e))[:120]}"
+        fail(f"the UnifiedReward server {endpoint} failed after {attempt + 1} tries ({error}); start it or "
+             f"pass --unifiedreward-url")
+
+    def score(images, prompts):
+        pixels = (images.detach().float().clamp(0, 1) * 255).round().byte().permute(0, 2, 3, 1).cpu().numpy()
+        with concurrent.futures.ThreadPoolExecutor(max(1, min(workers, len(prompts)))) as pool:
+            answers = list(pool.map(ask, pixels, prompts))
+        scores = []
+        for answer in answers:
+            match = re.search(r"Final Score:\s*([1-5](?:\.\d+)?)", answer)
+            if match is None:
+                fail(f"the UnifiedReward answer from {endpoint} has no 'Final Score: <1-5>': "
+                     f"{answer[:200]!r}")
+            scores.append(float(match.group(1)) / scale)
+        return torch.tensor(scores)
+
+    return score
