@@ -1,24 +1,36 @@
-"""Reward loading and scoring on tiny randomly initialised open_clip / transformers models (offline)."""
+"""Reward loading and scoring (rewards.py, common.load_rewards / check_rewards / score) on tiny randomly
+initialised open_clip / transformers models and the tiny golden ImageReward of tests/data/imagereward
+(offline)."""
 import gzip
 import io
 import json
 import os
 import pickle
+import subprocess
+import sys
+from collections import OrderedDict
 
+import numpy as np
 import pytest
 import torch
 from PIL import Image
 
-from common import hps_reward, jpeg_compressibility, load_rewards, load_safely, pickscore_reward, score
+import rewards
+from common import RewardModels, jpeg_compressibility, load_rewards, load_safely, score
 
-TINY_OPEN_CLIP = {"embed_dim": 16, "vision_cfg": {"image_size": 32, "layers": 1, "width": 32, "patch_size": 8,
-                                                  "head_width": 16},
-                  "text_cfg": {"context_length": 77, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 1}}
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+IMAGEREWARD = os.path.join(ROOT, "tests", "data", "imagereward")
+TINY_OPEN_CLIP = {"embed_dim": 16,
+                  "vision_cfg": {"image_size": 32, "layers": 1, "width": 32, "patch_size": 8,
+                                 "head_width": 16},
+                  "text_cfg": {"context_length": 77, "vocab_size": 49408, "width": 32, "heads": 2,
+                               "layers": 1}}
+PICKSCORE_LOGIT_SCALE = 4.6052  # PickScore_v1's (exp: 100.0); bf16 would round it to 4.59375 (exp: 98.87)
 
 
-def images(n=3, size=32, seed=0):
+def images(n=3, size=32, seed=0, width=None):
     g = torch.Generator().manual_seed(seed)
-    return (torch.randint(0, 256, (n, 3, size, size), generator=g) / 255.0).float()
+    return (torch.randint(0, 256, (n, 3, size, width or size), generator=g) / 255.0).float()
 
 
 def tiny_open_clip_dir(root, with_weights):
@@ -40,51 +52,6 @@ def manual_cosine(model, x, prompts, tokenizer):
     return (img * txt).sum(-1)
 
 
-def test_jpeg_values_on_known_images():
-    flat, noisy = torch.full((1, 3, 32, 32), 0.5), images(1)
-    r = jpeg_compressibility(torch.cat([flat, noisy]), ["", ""])
-    for k, img in enumerate([flat, noisy]):
-        buf = io.BytesIO()
-        Image.fromarray((img[0] * 255).round().byte().permute(1, 2, 0).numpy()).save(buf, format="JPEG", quality=95)
-        assert r[k].item() == pytest.approx(-buf.tell() / 1000 / 500)
-    assert r[0] > r[1]  # a flat image compresses better
-
-
-def test_hps_strict_load_and_cosine(tmp_path):
-    import open_clip
-    from open_clip.constants import OPENAI_DATASET_MEAN, OPENAI_DATASET_STD
-
-    arch = f"local-dir:{tmp_path / 'arch'}"
-    model = tiny_open_clip_dir(str(tmp_path / "arch"), with_weights=False)
-    torch.save({"state_dict": model.state_dict()}, tmp_path / "HPS_v2.1_compressed.pt")
-    fn = hps_reward(str(tmp_path / "HPS_v2.1_compressed.pt"), "cpu", arch=arch)
-    x, prompts = images(), ["a cat", "a dog", "a red circle"]
-    mean, std = torch.tensor(OPENAI_DATASET_MEAN).view(1, 3, 1, 1), torch.tensor(OPENAI_DATASET_STD).view(1, 3, 1, 1)
-    expected = manual_cosine(model.eval(), (x - mean) / std, prompts, open_clip.get_tokenizer(arch))
-    torch.testing.assert_close(fn(x, prompts), expected, rtol=1e-4, atol=1e-5)
-    bad = {"state_dict": {k: v for k, v in model.state_dict().items() if "visual" not in k}}
-    torch.save(bad, tmp_path / "broken.pt")
-    with pytest.raises(RuntimeError, match="Missing key"):  # strict: a wrong checkpoint is never half-loaded
-        hps_reward(str(tmp_path / "broken.pt"), "cpu", arch=arch)
-
-
-def test_clip_score_from_local_dir(tmp_path):
-    import open_clip
-
-    model = tiny_open_clip_dir(str(tmp_path / "clip"), with_weights=True)
-    fn = load_rewards(["clip"], "cpu", clip_model=str(tmp_path / "clip"))["clip"]
-    x, prompts = images(2, size=64), ["a cat", "a dog"]
-    r = fn(x, prompts)
-    assert r.shape == (2,) and (r.abs() <= 1).all()
-    # 64 px -> shortest side to 32, centre crop, OpenAI normalisation; same model weights as saved
-    from common import _clip_preprocess
-    from open_clip.constants import OPENAI_DATASET_MEAN, OPENAI_DATASET_STD
-
-    xp = _clip_preprocess(x, 32, OPENAI_DATASET_MEAN, OPENAI_DATASET_STD, False)
-    torch.testing.assert_close(r, manual_cosine(model.eval(), xp, prompts, open_clip.get_tokenizer("ViT-H-14")),
-                               rtol=1e-4, atol=1e-5)
-
-
 def clip_tokenizer_dir(root):
     """A transformers CLIPTokenizer built offline from open_clip's BPE vocabulary (ids match open_clip's)."""
     import open_clip
@@ -95,29 +62,113 @@ def clip_tokenizer_dir(root):
     merges = gzip.open(path).read().decode("utf-8").split("\n")[1:49152 - 256 - 2 + 1]
     merges = [tuple(m.split()) for m in merges]
     vocab = list(bytes_to_unicode().values())
-    vocab = vocab + [v + "</w>" for v in vocab] + ["".join(m) for m in merges] + ["<|startoftext|>", "<|endoftext|>"]
+    vocab = vocab + [v + "</w>" for v in vocab] + ["".join(m) for m in merges]
+    vocab += ["<|startoftext|>", "<|endoftext|>"]
     os.makedirs(root, exist_ok=True)
     with open(os.path.join(root, "vocab.json"), "w") as f:
         json.dump({v: i for i, v in enumerate(vocab)}, f)
     with open(os.path.join(root, "merges.txt"), "w") as f:
         f.write("#version: 0.2\n" + "\n".join(" ".join(m) for m in merges))
-    return CLIPTokenizer(os.path.join(root, "vocab.json"), os.path.join(root, "merges.txt"), model_max_length=77)
+    return CLIPTokenizer(os.path.join(root, "vocab.json"), os.path.join(root, "merges.txt"),
+                         model_max_length=77)
+
+
+def tiny_clip_model(root, logit_scale=None, seed=0):
+    """A tiny random transformers CLIPModel (32 px, projection 16) saved under root; logit_scale if given."""
+    from transformers import CLIPConfig, CLIPModel
+
+    torch.manual_seed(seed)
+    cfg = CLIPConfig(text_config=dict(vocab_size=49408, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=1, num_attention_heads=2, max_position_embeddings=77),
+                     vision_config=dict(image_size=32, patch_size=8, hidden_size=32, intermediate_size=64,
+                                        num_hidden_layers=1, num_attention_heads=2), projection_dim=16)
+    model = CLIPModel(cfg)
+    if logit_scale is not None:
+        model.logit_scale.data.fill_(logit_scale)
+    model.save_pretrained(root)
+    return str(root)
+
+
+def tiny_clip_processor(root, tokenizer_root):
+    from transformers import CLIPImageProcessor, CLIPProcessor
+
+    processor = CLIPProcessor(image_processor=CLIPImageProcessor(size={"shortest_edge": 32},
+                                                                 crop_size={"height": 32, "width": 32}),
+                              tokenizer=clip_tokenizer_dir(str(tokenizer_root)))
+    processor.save_pretrained(root)
+    return processor
+
+
+def aesthetic_head_file(path, dim=16, seed=0):
+    """A random head in the official file's format: a plain state_dict with the keys
+    layers.{0,2,4,6,7}.{weight,bias}."""
+    g = torch.Generator().manual_seed(seed)
+    state = OrderedDict()
+    for i, (out, inp) in zip((0, 2, 4, 6, 7), [(1024, dim), (128, 1024), (64, 128), (16, 64), (1, 16)]):
+        state[f"layers.{i}.weight"] = torch.randn(out, inp, generator=g) / inp ** 0.5
+        state[f"layers.{i}.bias"] = torch.randn(out, generator=g) * 0.1
+    torch.save(state, path)
+    return str(path)
+
+
+def test_jpeg_values_on_known_images():
+    """-(JPEG quality-95 size in kB) / 500 of each image, and a flat image scores above a noisy one."""
+    flat, noisy = torch.full((1, 3, 32, 32), 0.5), images(1)
+    r = jpeg_compressibility(torch.cat([flat, noisy]), ["", ""])
+    for k, img in enumerate([flat, noisy]):
+        buf = io.BytesIO()
+        pixels = (img[0] * 255).round().byte().permute(1, 2, 0).numpy()
+        Image.fromarray(pixels).save(buf, format="JPEG", quality=95)
+        assert r[k].item() == pytest.approx(-buf.tell() / 1000 / 500)
+    assert r[0] > r[1]  # a flat image compresses better
+
+
+def test_hps_strict_load_and_cosine(tmp_path):
+    """HPS: a checkpoint loaded strictly onto the architecture gives the plain cosine of the saved model; a
+    checkpoint missing keys is refused, never half-loaded."""
+    import open_clip
+    from open_clip.constants import OPENAI_DATASET_MEAN, OPENAI_DATASET_STD
+
+    arch = str(tmp_path / "arch")
+    model = tiny_open_clip_dir(arch, with_weights=False)
+    torch.save({"state_dict": model.state_dict()}, tmp_path / "HPS_v2.1_compressed.pt")
+    fn = rewards.open_clip_reward(arch, "cpu", str(tmp_path / "HPS_v2.1_compressed.pt"), pad_square=True)
+    x, prompts = images(), ["a cat", "a dog", "a red circle"]
+    mean = torch.tensor(OPENAI_DATASET_MEAN).view(1, 3, 1, 1)
+    std = torch.tensor(OPENAI_DATASET_STD).view(1, 3, 1, 1)
+    tokenizer = open_clip.get_tokenizer(f"local-dir:{arch}")
+    expected = manual_cosine(model.eval(), (x - mean) / std, prompts, tokenizer)
+    torch.testing.assert_close(fn(x, prompts), expected, rtol=1e-4, atol=1e-5)
+    bad = {"state_dict": {k: v for k, v in model.state_dict().items() if "visual" not in k}}
+    torch.save(bad, tmp_path / "broken.pt")
+    with pytest.raises(RuntimeError, match="Missing key"):  # strict: a wrong checkpoint is never half-loaded
+        rewards.open_clip_reward(arch, "cpu", str(tmp_path / "broken.pt"), pad_square=True)
+
+
+def test_clip_score_from_local_dir(tmp_path):
+    """CLIP score from a local open_clip directory through load_rewards: the cosine of the saved weights after
+    shortest-side resize, centre crop and OpenAI normalisation."""
+    import open_clip
+    from open_clip.constants import OPENAI_DATASET_MEAN, OPENAI_DATASET_STD
+
+    model = tiny_open_clip_dir(str(tmp_path / "clip"), with_weights=True)
+    fn = load_rewards(["clip"], "cpu", models=RewardModels(clip_model=str(tmp_path / "clip")))["clip"]
+    x, prompts = images(2, size=64), ["a cat", "a dog"]
+    r = fn(x, prompts)
+    assert r.shape == (2,) and (r.abs() <= 1).all()
+    # 64 px -> shortest side to 32, centre crop, OpenAI normalisation; same model weights as saved
+    xp = rewards._clip_preprocess(x, 32, OPENAI_DATASET_MEAN, OPENAI_DATASET_STD, False)
+    expected = manual_cosine(model.eval(), xp, prompts, open_clip.get_tokenizer("ViT-H-14"))
+    torch.testing.assert_close(r, expected, rtol=1e-4, atol=1e-5)
 
 
 def test_pickscore_matches_processor_and_formula(tmp_path):
-    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
+    """PickScore = logit_scale.exp() cos / 26 with the inputs CLIPProcessor makes from the PIL images."""
+    from transformers import CLIPModel
 
-    torch.manual_seed(0)
-    cfg = CLIPConfig(text_config=dict(vocab_size=49408, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                      num_attention_heads=2, max_position_embeddings=77),
-                     vision_config=dict(image_size=32, patch_size=8, hidden_size=32, intermediate_size=64,
-                                        num_hidden_layers=1, num_attention_heads=2), projection_dim=16)
-    CLIPModel(cfg).save_pretrained(tmp_path / "model")
-    processor = CLIPProcessor(image_processor=CLIPImageProcessor(size={"shortest_edge": 32},
-                                                                 crop_size={"height": 32, "width": 32}),
-                              tokenizer=clip_tokenizer_dir(str(tmp_path / "tok")))
-    processor.save_pretrained(tmp_path / "processor")
-    fn = pickscore_reward(str(tmp_path / "model"), str(tmp_path / "processor"), "cpu")
+    tiny_clip_model(tmp_path / "model")
+    processor = tiny_clip_processor(tmp_path / "processor", tmp_path / "tok")
+    fn = rewards.pickscore_reward(str(tmp_path / "model"), str(tmp_path / "processor"), "cpu")
     x, prompts = images(), ["a cat", "a dog on the left", "a photo"]
     model = CLIPModel.from_pretrained(tmp_path / "model").eval()
     pil = [Image.fromarray((im * 255).round().byte().permute(1, 2, 0).numpy()) for im in x]
@@ -132,6 +183,7 @@ def test_pickscore_matches_processor_and_formula(tmp_path):
 
 
 def test_pickle_checkpoints_cannot_run_code(tmp_path):
+    """load_safely refuses a pickle that would run a command, and the command never runs."""
     class Exploit:
         def __reduce__(self):
             return (os.system, (f"touch {tmp_path / 'pwned'}",))
@@ -144,17 +196,152 @@ def test_pickle_checkpoints_cannot_run_code(tmp_path):
 
 
 def test_non_finite_reward_is_an_error():
+    """A NaN reward stops scoring with an error naming the reward."""
     with pytest.raises(SystemExit, match="reward 'nan' returned non-finite values"):
         score({"nan": lambda im, p: torch.tensor([0.0, float("nan")])}, images(2), ["a", "b"])
 
 
-def test_rewards_in_bf16_stay_close_to_float32(tmp_path):
-    """On GPUs the reward models run in bf16 (half the memory: 2 GiB instead of 4 for a ViT-H-14); their scores stay
-    within 0.01 of float32 here (cosines in [-1, 1]; measured max |diff| 5.4e-3 on these tiny random models)."""
-    tiny_open_clip_dir(str(tmp_path / "clip"), with_weights=True)
-    x, prompts = images(4, size=64, seed=3), ["a cat", "a dog", "a red circle on the left", "a photo"]
-    fp32, bf16 = (load_rewards(["clip", "jpeg"], "cpu", clip_model=str(tmp_path / "clip"), dtype=d) for d in
-                  (torch.float32, torch.bfloat16))
-    diff = (fp32["clip"](x, prompts) - bf16["clip"](x, prompts)).abs().max().item()
-    assert 0 < diff < 0.01, diff  # bf16 really ran, and stayed close
-    assert bf16["clip"](x, prompts).dtype == torch.float32 and torch.equal(fp32["jpeg"](x, prompts), bf16["jpeg"](x, prompts))
+def test_check_rewards_fails_in_one_line_before_any_model_loads():
+    """Unknown names (the message lists the allowed ones), a local path that does not exist (the message
+    names its flag) and unifiedreward without a server URL: one-line errors from load_rewards, raised before
+    the first named reward ('clip', from the hub) loads: a fresh interpreter that runs them never imports
+    rewards.py, open_clip or transformers, with the hub offline (a load attempt would fail differently)."""
+    code = """if True:
+        import sys, common
+        models = common.RewardModels(hps_checkpoint="/nonexistent/HPS_v2.1_compressed.pt")
+        for names in (["clip", "hps2"], ["clip", "hps"], ["clip", "unifiedreward"]):
+            try:
+                common.load_rewards(names, "cpu", models=models)
+            except SystemExit as e:
+                print(e)
+        print(sorted(m for m in ("rewards", "open_clip", "transformers") if m in sys.modules))"""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=ROOT)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env,
+                          timeout=120)
+    lines = proc.stdout.splitlines()
+    assert proc.returncode == 0 and len(lines) == 4, (proc.stdout, proc.stderr)
+    unknown, missing, unified, imported = lines
+    assert unknown.startswith("error: unknown reward 'hps2'; choose from [")
+    assert all(repr(n) in unknown for n in ("hps", "clip", "pickscore", "imagereward", "aesthetic",
+                                            "unifiedreward", "jpeg", "toy_strict"))
+    assert missing == ("error: --hps-checkpoint '/nonexistent/HPS_v2.1_compressed.pt' does not exist; "
+                       "pass an existing path or a hub id")
+    assert unified.startswith("error: ") and "--unifiedreward-url" in unified
+    assert imported == "[]"  # nothing of the reward models was imported, so none was built
+
+
+# ---- bf16 towers, float32 projections / scales / heads --------------------------------------------------
+# max |bf16 - float32| of each reward on its tiny random model, measured on the CPU (torch 2.14.1, 1 or 2
+# threads alike) with the inputs of test_bf16_towers_float32_heads (pytest -s prints them):
+#   hps 1.7e-3 (cosines -0.31 to -0.17), clip 2.5e-3 (cosines -0.10 to 0.27), pickscore 1.0e-2
+#   (100 cos / 26: -0.34 to 0.42), imagereward 2.0e-2 (-0.82 to 0.33), aesthetic 1.7e-3 (-0.38 to -0.33).
+# Random tiny towers, not the real ones (ViT-H-14, BLIP, ViT-L/14 were not measured); the bounds are ~2x.
+BF16_BOUND = {"hps": 4e-3, "clip": 5e-3, "pickscore": 2e-2, "imagereward": 4e-2, "aesthetic": 4e-3}
+# what the towers are in each reward's score function (bf16); everything else it holds must be float32
+TOWERS = {"hps": {"model"}, "clip": {"model"}, "pickscore": {"vision", "text"},
+          "imagereward": {"vision", "text"}, "aesthetic": {"vision"}}
+FLOAT32 = {"hps": {"image_head.weight", "text_head.weight"},
+           "clip": {"image_head.weight", "text_head.weight"},
+           "pickscore": {"scale", "image_head", "text_head"}, "imagereward": {"head"},
+           "aesthetic": {"mlp", "image_head"}}
+
+
+@pytest.fixture(scope="module")
+def tiny_rewards(tmp_path_factory):
+    """{name: (load(dtype) -> fn, images, prompts)} on tiny models for the five learned local rewards."""
+    root = tmp_path_factory.mktemp("rewards")
+    torch.manual_seed(0)
+    arch = str(root / "arch")
+    torch.save({"state_dict": tiny_open_clip_dir(arch, with_weights=False).state_dict()}, root / "hps.pt")
+    tiny_open_clip_dir(str(root / "clip"), with_weights=True)
+    tiny_clip_model(root / "pick", logit_scale=PICKSCORE_LOGIT_SCALE)
+    tiny_clip_processor(root / "processor", root / "tok")
+    tiny_clip_model(root / "aesthetic_clip", seed=1)
+    tiny_clip_processor(root / "aesthetic_clip", root / "tok")
+    models = RewardModels(clip_model=str(root / "clip"), pickscore_model=str(root / "pick"),
+                          pickscore_processor=str(root / "processor"),
+                          imagereward_checkpoint=os.path.join(IMAGEREWARD, "ImageReward.pt"),
+                          imagereward_med_config=os.path.join(IMAGEREWARD, "med_config.json"),
+                          imagereward_tokenizer=IMAGEREWARD, aesthetic_clip=str(root / "aesthetic_clip"),
+                          aesthetic_head=aesthetic_head_file(root / "head.pth"))
+
+    def learned(name):
+        return lambda dtype: load_rewards([name], "cpu", models=models, dtype=dtype)[name]
+
+    with open(os.path.join(IMAGEREWARD, "golden.json")) as f:
+        golden = json.load(f)
+    pixels = [np.array(Image.open(os.path.join(IMAGEREWARD, p))) for p in golden["images"][:4]]  # 32 x 32
+    ir_images = torch.stack([torch.from_numpy(p).permute(2, 0, 1).float() / 255 for p in pixels])
+    prompts = ["a cat", "a dog on the left", "a red circle", "a photo of two cubes"]
+    return {
+        "hps": (lambda dtype: rewards.open_clip_reward(arch, "cpu", str(root / "hps.pt"), pad_square=True,
+                                                       dtype=dtype),
+                images(4, 48, seed=3, width=64), prompts),  # 48 x 64: resized to 24 x 32 and padded
+        "clip": (learned("clip"), images(4, 64, seed=3), prompts),
+        "pickscore": (learned("pickscore"), images(4, 64, seed=3), prompts),
+        "imagereward": (learned("imagereward"), ir_images, golden["prompts"][:4]),
+        "aesthetic": (learned("aesthetic"), images(4, 64, seed=3), [""] * 4),
+    }, models
+
+
+def held(fn):
+    """What a score function holds: its closure's values by name, the lambdas in it opened up (name.inner)."""
+    fn = getattr(fn, "__wrapped__", fn)  # under torch.no_grad()
+    out = {}
+    for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()):
+        value = cell.cell_contents
+        if callable(value) and getattr(value, "__closure__", None) and not isinstance(value, torch.nn.Module):
+            out.update({f"{name}.{k}": v for k, v in held(value).items()})
+        else:
+            out[name] = value
+    return out
+
+
+def dtypes(value):
+    """The dtypes of a tensor or of a module's parameters (None for anything else)."""
+    if isinstance(value, torch.Tensor):
+        return {value.dtype}
+    if isinstance(value, torch.nn.Module):
+        return {p.dtype for p in value.parameters()}
+    return None
+
+
+@pytest.mark.parametrize("name", ["hps", "clip", "pickscore", "imagereward", "aesthetic"])
+def test_bf16_towers_float32_heads(tiny_rewards, name):
+    """Towers in bf16 (half the memory: 2 GiB instead of 4 for a ViT-H-14) move each score by less than the
+    measured bound (and really ran: the scores differ); the scores are float32; every projection, logit
+    scale and head the score function holds stays float32 and the towers are bf16."""
+    load, x, prompts = tiny_rewards[0][name]
+    fp32, bf16 = load(torch.float32), load(torch.bfloat16)
+    r32, r16 = fp32(x, prompts), bf16(x, prompts)
+    diff = (r16 - r32).abs().max().item()
+    print(f"\n{name}: max |bf16 - float32| = {diff:.2e} (scores {r32.min():.3f} to {r32.max():.3f})")
+    assert r16.dtype == r32.dtype == torch.float32 and r16.shape == (len(prompts),)
+    assert 0 < diff < BF16_BOUND[name], diff
+    state = {k: dtypes(v) for k, v in held(bf16).items() if dtypes(v)}
+    assert {k for k, d in state.items() if d == {torch.bfloat16}} == TOWERS[name], state
+    assert {k for k, d in state.items() if d == {torch.float32}} == FLOAT32[name], state
+
+
+def test_bf16_pickscore_logit_scale_stays_float32(tiny_rewards, tmp_path):
+    """A bf16 PickScore's score divided by its cosine (26 x the score of the same model with logit scale 0)
+    is exp(4.6052) computed in float32 to 1e-6 relative: bf16 would make it exp(4.59375), 1.1% less."""
+    import shutil
+
+    _, models = tiny_rewards
+    zero = tmp_path / "pick0"
+    shutil.copytree(models.pickscore_model, zero)
+    from transformers import CLIPModel
+
+    model = CLIPModel.from_pretrained(zero)
+    model.logit_scale.data.zero_()
+    model.save_pretrained(zero)
+    x, prompts = images(4, 64, seed=3), ["a cat", "a dog on the left", "a red circle", "a photo of two cubes"]
+    scaled = rewards.pickscore_reward(models.pickscore_model, models.pickscore_processor, "cpu",
+                                      dtype=torch.bfloat16)(x, prompts)
+    cosine = 26 * rewards.pickscore_reward(str(zero), models.pickscore_processor, "cpu",
+                                           dtype=torch.bfloat16)(x, prompts)
+    expected = torch.tensor(PICKSCORE_LOGIT_SCALE).exp() / 26
+    assert cosine.abs().min() > 0.01  # away from 0: the ratio is well defined
+    torch.testing.assert_close(scaled / cosine, expected.expand(4), rtol=1e-6, atol=0)
+    assert not torch.allclose(scaled / cosine, torch.tensor(4.59375).exp().expand(4) / 26, rtol=1e-3)
