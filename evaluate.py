@@ -1,0 +1,324 @@
+# Evaluation of the base model and trained checkpoints; docs: this docstring
+"""Score the base model and any number of checkpoints on the same prompt/seed pairs with any set of metrics:
+ODE samples with the pipeline's own schedule, every pair's scores in <out>/scores.json, and a Markdown table
+(<out>/table.md, also printed) of each metric's mean +- standard error and each entry's paired change from the
+first entry +- its paired standard error. Under torchrun the pairs are split contiguously over the ranks.
+
+Pairs: the first --num-prompts prompts (P of them) times --seeds-per-prompt (N); pair k = 0 .. P N - 1 is
+prompt k mod P with noise seed 10^6 (seed + 1) + k, so --seed 0 gives a training run's evaluation pairs
+(common.evaluate_policy: --eval-num P N pairs of its --eval-prompts, noise seed 10^6 + k) and, in float32,
+reproduces its eval_<N>.json exactly at its settings (in bf16 up to rounding: training keeps its trainable
+weights in float32, evaluate.py runs a checkpoint as diffusers loads it, in bf16). The defaults are G2RPO's
+and MixGRPO's evaluation of FLUX.1-dev: 1024 px, 50 steps, guidance 3.5, 512 T5 tokens. --model toy evaluates
+the embedded toy world on a CPU.
+
+G2RPO, Table 1 (400 HPDv2 test prompts, FLUX.1-dev; HPS-v2.1, CLIP, PickScore, ImageReward, UnifiedReward):
+    torchrun --nproc_per_node 8 evaluate.py --model flux-dev --checkpoints runs/<g2rpo run> \\
+        --prompts data/hpdv2/test.txt --resolution 1024 --steps 50 --guidance 3.5 \\
+        --metrics hps clip pickscore imagereward unifiedreward --unifiedreward-url http://127.0.0.1:17140 \\
+        --out results/g2rpo_table1
+
+DenseGRPO, DrawBench (its 200 prompts, one per line; SD3.5-M at Flow-GRPO's and DenseGRPO's 512 px, 40
+steps, guidance 4.5, 128 tokens; PickScore, aesthetic, ImageReward, UnifiedReward; its DeQA column is not
+included: this project has no port of the DeQA-Score model):
+    torchrun --nproc_per_node 8 evaluate.py --model sd3.5-medium --checkpoints runs/<densegrpo run> \\
+        --prompts data/drawbench/test.txt --resolution 512 --steps 40 --guidance 4.5 \\
+        --max-sequence-length 128 \\
+        --metrics pickscore aesthetic imagereward unifiedreward --unifiedreward-url http://127.0.0.1:17140 \\
+        --out results/densegrpo_drawbench
+
+The toy world (base model against a toy run's newest checkpoint, 64 prompts x 4 seeds):
+    python evaluate.py --model toy --checkpoints runs/<toy run>"""
+import gc
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Literal
+
+import torch
+import tyro
+
+from common import (MODEL_ALIASES, RewardModels, broadcast_object, check_rewards, decode, encode_prompts,
+                    fail, gather_cat, latent_shape, latest_checkpoint, load_pipeline, load_prompt_set,
+                    load_rewards, ode_complete, paired_change, parse_args, pipeline_sigmas, score,
+                    setup_distributed)
+
+
+@dataclass
+class Args:
+    model: str = "flux-dev"
+    """the base model: a hub id, a local pipeline directory, or an alias: flux-dev, sd3.5-medium, toy"""
+    checkpoints: tuple[str, ...] = ()
+    """LoRA or transformer directories, checkpoints (<run>/checkpoints/iter_<N>) or runs (their newest)"""
+    base: bool = True
+    """score the base model first, as the reference entry of the paired changes"""
+
+    # Pairs
+    prompts: str = "data/hpdv2/test.txt"
+    """evaluation prompts, one per line ('toy': the toy world's held-out prompts)"""
+    num_prompts: int = 0
+    """the first N prompts of the file (0: all)"""
+    seeds_per_prompt: int = 1
+    """noise seeds per prompt"""
+    seed: int = 0
+    """pair k's noise seed is 10^6 (seed + 1) + k: 0 gives the training runs' evaluation pairs"""
+
+    # Metrics
+    metrics: tuple[str, ...] = ("hps", "clip", "pickscore", "imagereward", "unifiedreward")
+    """rewards: hps, clip, pickscore, imagereward, aesthetic, unifiedreward, jpeg, toy_* (G2RPO's Table 1)"""
+    reward_models: tyro.conf.OmitArgPrefixes[RewardModels] = field(default_factory=RewardModels)
+    """where each reward model's weights come from"""
+
+    # Sampling (defaults: G2RPO / MixGRPO on FLUX.1-dev; Flow-GRPO / DenseGRPO on SD3.5-M: 512 px, 40 steps,
+    # guidance 4.5, 128 tokens)
+    steps: int = 50
+    """ODE sampling steps of the pipeline's own schedule (the SD3 papers: 40)"""
+    guidance: float = 3.5
+    """Flux guidance embedding, or SD3 classifier-free guidance with an empty negative prompt (SD3: 4.5)"""
+    resolution: int = 1024
+    """image height and width in pixels (the SD3 papers: 512)"""
+    max_sequence_length: int = 512
+    """T5 prompt length in tokens (the SD3 papers: 128)"""
+    micro_batch: int = 4
+    """latents per model forward and per reward call"""
+    mixed_precision: Literal["no", "bf16"] = "bf16"
+    """the transformer's and a LoRA's dtype on CUDA, as diffusers loads them; the rewards run in float32"""
+    out: str = "evaluation"
+    """output directory: scores.json (every pair's score per entry and metric) and table.md"""
+
+
+# --model toy: the toy world's evaluation settings (common.TOY_WORLD). Explicit flags still win.
+TOY = {"model": "toy", "mixed_precision": "no", "resolution": 32, "max_sequence_length": 16, "guidance": 3.5,
+       "steps": 16, "prompts": "toy", "metrics": ("toy_color_position", "toy_shape_count", "toy_strict"),
+       "num_prompts": 64, "seeds_per_prompt": 4, "micro_batch": 48}
+# the transformer class of each alias's hub model, for checking a transformer directory without the hub
+HUB_TRANSFORMERS = {"black-forest-labs/FLUX.1-dev": "FluxTransformer2DModel",
+                    "stabilityai/stable-diffusion-3.5-medium": "SD3Transformer2DModel"}
+LORA_FILE = "pytorch_lora_weights.safetensors"
+TRANSFORMER_FILES = ("diffusion_pytorch_model.safetensors", "diffusion_pytorch_model.safetensors.index.json")
+
+
+def read_json(path: str):
+    """A JSON file's content, or None if it is missing or unreadable."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def weights_kind(path: str) -> str | None:
+    """'lora' (a diffusers LoRA directory), 'transformer' (a diffusers transformer directory) or None."""
+    if os.path.isfile(os.path.join(path, LORA_FILE)):
+        return "lora"
+    has_weights = any(os.path.isfile(os.path.join(path, f)) for f in TRANSFORMER_FILES)
+    return "transformer" if has_weights and os.path.isfile(os.path.join(path, "config.json")) else None
+
+
+def model_identity(model: str) -> str:
+    """A model argument as one comparable string: aliases resolved, local directories as their real path."""
+    path = MODEL_ALIASES.get(model, model)
+    return os.path.realpath(os.path.expanduser(path)) if os.path.isdir(os.path.expanduser(path)) else path
+
+
+def check_transformer(given: str, weights: str, model: str):
+    """A transformer directory must hold the model's transformer class and, for a local model, its
+    architecture (every config entry of the model's transformer/config.json)."""
+    config = read_json(os.path.join(weights, "config.json"))
+    if not isinstance(config, dict) or "_class_name" not in config:
+        fail(f"--checkpoints {given!r}: {weights}/config.json is not a diffusers model config")
+    path = MODEL_ALIASES.get(model, model)
+    index = read_json(os.path.join(path, "model_index.json")) if os.path.isdir(path) else None
+    expected = index["transformer"][1] if index and "transformer" in index else HUB_TRANSFORMERS.get(path)
+    if expected and config["_class_name"] != expected:
+        fail(f"--checkpoints {given!r} holds a {config['_class_name']}, but --model {model!r} has a "
+             f"{expected}; evaluate it with the model it was trained from")
+    base = read_json(os.path.join(path, "transformer", "config.json")) if index else None
+    for key, value in (base or {}).items():
+        if not key.startswith("_") and key in config and config[key] != value:
+            fail(f"--checkpoints {given!r} has {key}={config[key]}, but --model {model!r}'s transformer has "
+                 f"{key}={value}; evaluate it with the model it was trained from")
+
+
+def resolve_checkpoint(given: str, model: str) -> dict:
+    """{"name", "path", "weights", "iteration"} of one --checkpoints argument: its LoRA or transformer
+    directory (a checkpoint's lora/ or transformer/, a run's newest checkpoint's), checked against --model
+    before any model loads: the training run's model (run.json next to the weights, when there is one) and a
+    transformer's class and architecture."""
+    path = os.path.normpath(os.path.expanduser(given))
+    if not os.path.exists(path):
+        fail(f"--checkpoints {given!r} does not exist; pass a LoRA directory, a transformer directory, a "
+             f"checkpoint (runs/<run>/checkpoints/iter_<N>) or a run directory")
+    kind = weights_kind(path) if os.path.isdir(path) else None
+    if kind is None and os.path.isdir(os.path.join(path, "checkpoints")) and not os.path.isfile(
+            os.path.join(path, "run.json")):
+        newest = latest_checkpoint(path)
+        if newest is None:
+            fail(f"--checkpoints {given!r} is a run directory without a complete checkpoint "
+                 f"(checkpoints/iter_<N>); wait for its first checkpoint or pass another")
+        path = newest
+    if kind is None and os.path.isfile(os.path.join(path, "run.json")):
+        found = [os.path.join(path, d) for d in ("lora", "transformer")]
+        found = [d for d in found if weights_kind(d)]
+        if not found:
+            fail(f"--checkpoints {given!r}: checkpoint {path!r} has neither a lora/ nor a transformer/ "
+                 f"export")
+        path = found[0]
+        kind = weights_kind(path)
+    if kind is None:
+        fail(f"--checkpoints {given!r} is neither a LoRA directory ({LORA_FILE}), a transformer directory "
+             f"(config.json and {TRANSFORMER_FILES[0]}[.index.json]), a checkpoint (run.json) nor a run "
+             f"directory with checkpoints/iter_<N>")
+    run = read_json(os.path.join(os.path.dirname(path), "run.json"))
+    trained = run.get("args", {}).get("model") if isinstance(run, dict) else None
+    if trained is not None and model_identity(trained) != model_identity(model):
+        fail(f"--checkpoints {given!r} was trained with --model {trained!r} (its run.json), not {model!r}; "
+             f"pass --model {trained}")
+    if kind == "transformer":
+        check_transformer(given, path, model)
+    iteration = run.get("iteration") if isinstance(run, dict) else None
+    return {"name": given, "path": path, "weights": kind, "iteration": iteration}
+
+
+def check_args(args) -> tuple[list[dict], list[tuple[str, int]]]:
+    """Every check that needs no model: the entries to score ({"name", "path", "weights", "iteration"}) and
+    the pairs (prompt, noise seed), or a one-line error."""
+    if args.num_prompts < 0 or args.seeds_per_prompt < 1:
+        fail(f"--num-prompts {args.num_prompts} / --seeds-per-prompt {args.seeds_per_prompt}: use >= 0 "
+             f"(0: all prompts) / >= 1")
+    if args.steps < 1 or args.micro_batch < 1:
+        fail(f"--steps {args.steps} / --micro-batch {args.micro_batch}: both must be >= 1")
+    if not args.base and not args.checkpoints:
+        fail("nothing to evaluate: pass --checkpoints, or keep --base")
+    if os.path.isfile(args.out):
+        fail(f"--out {args.out!r} is a file; pass a directory (scores.json and table.md go there)")
+    check_rewards(args.metrics, args.reward_models)
+    if len(set(args.metrics)) < len(args.metrics):
+        fail(f"--metrics {' '.join(args.metrics)} names a metric twice; name each once")
+    prompts = load_prompt_set(args.prompts, split="test")
+    if args.num_prompts > len(prompts):
+        fail(f"--num-prompts {args.num_prompts} is more than the {len(prompts)} prompts of {args.prompts!r}; "
+             f"use 0 (all) or fewer")
+    prompts = prompts[:args.num_prompts or len(prompts)]
+    num_pairs = len(prompts) * args.seeds_per_prompt
+    pairs = [(prompts[k % len(prompts)], 10**6 * (args.seed + 1) + k) for k in range(num_pairs)]
+    base = [{"name": "base", "path": args.model, "weights": "base", "iteration": None}] if args.base else []
+    return base + [resolve_checkpoint(c, args.model) for c in args.checkpoints], pairs
+
+
+@torch.no_grad()
+def score_pairs(transformer, *, pipe, kind: str, emb: dict, noise, prompts: list[str], rewards: dict, sigmas,
+                guidance: float, micro_batch: int, num_pairs: int, device) -> dict:
+    """This rank's pairs (embeddings `emb`, `noise`, `prompts`) sampled by the ODE along the whole schedule,
+    decoded and scored micro-batch by micro-batch: {metric: every pair's score in pair order}, on every
+    rank."""
+    paths = [list(range(len(sigmas)))] * len(noise)
+    x0 = ode_complete(transformer, kind, noise.to(device), paths, sigmas, emb, guidance=guidance,
+                      micro_batch=micro_batch)
+    parts = [score(rewards, decode(pipe, x0[c]), [prompts[i] for i in c.tolist()])
+             for c in torch.arange(len(x0)).split(micro_batch)]
+    local = {k: torch.cat([p[k] for p in parts]) for k in rewards}
+    return {k: gather_cat(v.to(device)).cpu()[:num_pairs] for k, v in local.items()}
+
+
+def mean_se(values: list) -> str:
+    """'mean +- standard error', with the mean rounded to the standard error's second significant digit."""
+    t = torch.tensor(values, dtype=torch.float64)
+    se = float(t.std() / math.sqrt(len(t))) if len(t) > 1 else math.nan
+    return f"{float(t.mean()):.{decimals(se)}f} +- {se:.{decimals(se)}f}"
+
+
+def decimals(se: float) -> int:
+    """Decimals that show a standard error to two significant digits (4 when it is 0 or undefined)."""
+    if not math.isfinite(se) or se <= 0:
+        return 4
+    return min(max(1 - int(f"{se:.1e}".split("e")[1]), 0), 10)  # the exponent of se rounded to 2 digits
+
+
+def table(args, entries: list[dict], scores: list[dict], *, num_prompts: int, kind: str) -> str:
+    """The Markdown report: per entry and metric the mean +- SE over the pairs, and the paired change from the
+    first entry +- its paired SE on the same pairs."""
+    pairs = len(next(iter(scores[0].values())))
+    first = entries[0]["name"]
+    head = (f"## {args.model} ({kind}): {num_prompts} prompts x {args.seeds_per_prompt} seed(s) = {pairs} "
+            f"pairs of {args.prompts}\n\nODE with the pipeline's schedule: {args.steps} steps, guidance "
+            f"{args.guidance}, {args.resolution} px, {args.max_sequence_length} tokens, seed {args.seed}. "
+            f"Each metric: mean +- standard error over the pairs; change: the paired difference from {first} "
+            f"on the same pairs +- its paired standard error.\n")
+    columns = ["entry", "iteration"] + [c for m in args.metrics for c in (m, f"{m} change")]
+    lines = [head, "| " + " | ".join(columns) + " |", "|---" * len(columns) + "|"]
+    for i, (entry, s) in enumerate(zip(entries, scores)):
+        cells = []
+        for m in args.metrics:
+            d, se = paired_change(scores[0][m], s[m]) if i else (math.nan, math.nan)
+            change = f"{d:+.{decimals(se)}f} +- {se:.{decimals(se)}f}" if i else "(reference)"
+            cells += [mean_se(s[m]), change]
+        iteration = "-" if entry["iteration"] is None else entry["iteration"]
+        lines.append(f"| {entry['name']} | {iteration} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    args = parse_args(Args, toy=TOY, description=__doc__)
+    rank, world, device = setup_distributed()
+    entries, pairs = check_args(args)
+    entries = broadcast_object(entries)  # rank 0's newest checkpoint of a run that is still training
+
+    use_bf16 = args.mixed_precision == "bf16" and device.type == "cuda"
+    compute_dtype = torch.bfloat16 if use_bf16 else torch.float32
+    pipe, kind = load_pipeline(args.model, device, dtype=compute_dtype)
+    base = pipe.transformer
+    C, H, W = latent_shape(pipe, kind, args.resolution)
+    sigmas = pipeline_sigmas(pipe, kind, num_steps=args.steps, image_tokens=H * W // 4)
+    rewards = load_rewards(args.metrics, device, models=args.reward_models, dtype=torch.float32)
+
+    # this rank's contiguous share of the pairs, padded with the last pair to equal shares
+    share = -(-len(pairs) // world)
+    mine = [pairs[min(k, len(pairs) - 1)] for k in range(rank * share, (rank + 1) * share)]
+    prompts = [p for p, _ in mine]
+    noise = torch.stack([torch.randn(C, H, W, generator=torch.Generator().manual_seed(s)) for _, s in mine])
+    emb = encode_prompts(pipe, kind, prompts, max_sequence_length=args.max_sequence_length, cfg=args.guidance)
+
+    all_scores = []
+    for entry in entries:
+        transformer = base
+        if entry["weights"] == "lora":
+            pipe.load_lora_weights(entry["path"])
+        elif entry["weights"] == "transformer":
+            base.to("cpu")  # one transformer on the device at a time
+            transformer = type(base).from_pretrained(entry["path"], dtype=compute_dtype)
+            transformer = transformer.requires_grad_(False).eval().to(device)
+        all_scores.append(score_pairs(
+            transformer, pipe=pipe, kind=kind, emb=emb, noise=noise, prompts=prompts, rewards=rewards,
+            sigmas=sigmas, guidance=args.guidance, micro_batch=args.micro_batch, num_pairs=len(pairs),
+            device=device))
+        if entry["weights"] == "lora":
+            pipe.unload_lora_weights()
+        elif entry["weights"] == "transformer":
+            del transformer
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            base.to(device)
+        if rank == 0:
+            means = ", ".join(f"{k} {v.mean():.4f}" for k, v in all_scores[-1].items())
+            print(f"{entry['name']}: {means}", flush=True)
+
+    if rank == 0:
+        num_prompts = len(pairs) // args.seeds_per_prompt
+        report = table(args, entries, [{k: v.tolist() for k, v in s.items()} for s in all_scores],
+                       num_prompts=num_prompts, kind=kind)
+        settings = {k: v for k, v in asdict(args).items() if k not in ("checkpoints", "out")}
+        settings.update(kind=kind, world=world, num_pairs=len(pairs), pair_prompts=[p for p, _ in pairs],
+                        pair_noise_seeds=[s for _, s in pairs])
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "scores.json"), "w") as f:
+            json.dump({"settings": settings,
+                       "entries": [{**e, "scores": {k: v.tolist() for k, v in s.items()}}
+                                   for e, s in zip(entries, all_scores)]}, f, indent=1)
+        with open(os.path.join(args.out, "table.md"), "w") as f:
+            f.write(report)
+        print("\n" + report + f"\nscores.json and table.md in {os.path.abspath(args.out)}")
+    if world > 1:
+        torch.distributed.destroy_process_group()
