@@ -23,35 +23,35 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VERSION = 2  # bumped whenever a change alters what the toy runs compute (2: after the fidelity fixes)
 A, B, S = "toy_color_position", "toy_shape_count", "toy_strict"
 PSI = "results/toy_psi.json"  # runs start in the repository root
-DANCE = ["--schedule", "shifted", "--noise-form", "dance", "--noise-level", "0.3", "--timestep-selection", "random",
-         "--same-init-noise", "--std-unbiased", "--adv-eps", "1e-8"]
-# name: (script, flags on top of the TOY preset, planned NFE per iteration: every forward, incl. training and reference,
-#        seeds)
-# flow_grpo / dance: 8 prompts x 12 x 16 steps + 8 trained steps x 96 x (policy + reference) = 1536 + 1536
-# g2rpo: 4 prompts x NFE per prompt (README table) + 8 trained steps x 4 prompts (v(x_k) is shared by a group; no KL)
-# densegrpo: 4 prompts x 12 x (16 + sum_t (min(n, t) - 1)) + 8 trained steps x 48 x (policy + reference)
+# name: (script, flags on top of its TOY preset, seeds)
 CONFIGS = {
-    "flow_grpo": ("flow_grpo.py", [], 3072, 5),
-    "dance_grpo": ("flow_grpo.py", DANCE, 3072, 5),
-    "g2rpo_L1": ("g2rpo.py", ["--lambdas", "1"], 4 * 1112 + 32, 5),
-    "g2rpo_L12": ("g2rpo.py", ["--lambdas", "1", "2"], 4 * 1592 + 32, 3),
-    "g2rpo_L13": ("g2rpo.py", ["--lambdas", "1", "3"], 4 * 1412 + 32, 3),
-    "g2rpo_L123": ("g2rpo.py", ["--lambdas", "1", "2", "3"], 4 * 1892 + 32, 5),
-    "g2rpo_L123_1step": ("g2rpo.py", ["--lambdas", "1", "2", "3", "--updates-per-iteration", "1", "--learning-rate", "1e-4"],
-                         4 * 1892 + 32, 3),
-    "dense_uniform": ("densegrpo.py", ["--prompts-per-iteration", "4"], 4 * 12 * 136 + 768, 5),
-    "dense_calibrated": ("densegrpo.py", ["--prompts-per-iteration", "4", "--psi", PSI], 4 * 12 * 136 + 768, 5),
-    "dense_n1": ("densegrpo.py", ["--prompts-per-iteration", "4", "--psi", PSI, "--dense-ode-steps", "1"], 4 * 12 * 16 + 768,
-                 3),
-    "dense_n2": ("densegrpo.py", ["--prompts-per-iteration", "4", "--psi", PSI, "--dense-ode-steps", "2"], 4 * 12 * 31 + 768,
-                 3),
-    "flow_grpo_exact_kl": ("flow_grpo.py", ["--kl-form", "exact"], 3072, 3),
-    "flow_grpo_colour_only": ("flow_grpo.py", ["--rewards", A, "--eval-rewards", B, S], 3072, 3),
-    "flow_grpo_shape_only": ("flow_grpo.py", ["--rewards", B, "--eval-rewards", A, S], 3072, 3),
+    "flow_grpo": ("flow_grpo.py", [], 5),
+    "flow_grpo_coca": ("flow_grpo.py", ["--credit", "coca"], 5),
+    "dancegrpo": ("dancegrpo.py", [], 5),
+    "mixgrpo": ("mixgrpo.py", [], 5),
+    "mixgrpo_flash": ("mixgrpo.py", ["--flash"], 5),
+    "g2rpo_L1": ("g2rpo.py", ["--lambdas", "1"], 5),
+    "g2rpo_L12": ("g2rpo.py", ["--lambdas", "1", "2"], 5),
+    "g2rpo_L13": ("g2rpo.py", ["--lambdas", "1", "3"], 5),
+    "g2rpo_L123": ("g2rpo.py", ["--lambdas", "1", "2", "3"], 5),
+    "g2rpo_L123_1step": ("g2rpo.py", ["--lambdas", "1", "2", "3", "--updates-per-iteration", "1", "--learning-rate",
+                                      "1e-4"], 3),
+    "dense_uniform": ("densegrpo.py", ["--prompts-per-iteration", "4"], 5),
+    "dense_calibrated": ("densegrpo.py", ["--prompts-per-iteration", "4", "--psi", PSI], 5),
+    "dense_baseline": ("densegrpo.py", ["--prompts-per-iteration", "4", "--psi", PSI, "--dense-baseline"], 5),
+    "dense_n1": ("densegrpo.py", ["--prompts-per-iteration", "4", "--psi", PSI, "--dense-ode-steps", "1"], 3),
+    "dense_n2": ("densegrpo.py", ["--prompts-per-iteration", "4", "--psi", PSI, "--dense-ode-steps", "2"], 3),
+    "flow_grpo_exact_kl": ("flow_grpo.py", ["--kl-form", "exact"], 3),
+    "flow_grpo_colour_only": ("flow_grpo.py", ["--rewards", A, "--eval-rewards", B, S], 3),
+    "flow_grpo_shape_only": ("flow_grpo.py", ["--rewards", B, "--eval-rewards", A, S], 3),
 }
 FIGURES = {  # file: (question, configs)
-    "algorithms": ("Which algorithm improves fastest per iteration, per NFE and per second?",
-                   ["flow_grpo", "dance_grpo", "g2rpo_L1", "g2rpo_L123", "dense_uniform", "dense_calibrated"]),
+    "g2rpo_table1": ("G2RPO's Table 1 on the toy: DanceGRPO, MixGRPO, G2RPO w/o MGAI and with Lambda {1,2}, {1,3}, "
+                     "{1,2,3}", ["dancegrpo", "mixgrpo", "g2rpo_L1", "g2rpo_L12", "g2rpo_L13", "g2rpo_L123"]),
+    "densegrpo_table1": ("DenseGRPO's Table 1 on the toy: Flow-GRPO, Flow-GRPO + CoCA, DenseGRPO, the dense reward "
+                         "baseline", ["flow_grpo", "flow_grpo_coca", "dense_calibrated", "dense_uniform",
+                                      "dense_baseline"]),
+    "mixgrpo_flash": ("MixGRPO-Flash: fewer NFE for a comparable reward?", ["mixgrpo", "mixgrpo_flash"]),
     "g2rpo_lambdas": ("G2RPO: does multi-granularity (Lambda) help, and at what cost?",
                       ["g2rpo_L1", "g2rpo_L12", "g2rpo_L13", "g2rpo_L123"]),
     "dense_psi_n": ("DenseGRPO: calibrated vs uniform psi, and ODE completion length n",
@@ -63,9 +63,25 @@ FIGURES = {  # file: (question, configs)
 }
 
 
+def planned_per_iteration(config: str) -> float:
+    """All transformer forwards of one iteration of a config at iteration 0 (rollout, training, reference), from
+    its file's own planned_nfe on its TOY preset plus the config's flags."""
+    import dataclasses
+    import importlib
+
+    import tyro
+
+    script, flags = CONFIGS[config][:2]
+    sys.path[:0] = [ROOT, os.path.join(ROOT, "toy")]
+    module = importlib.import_module(script[:-3])
+    args = tyro.cli(module.Args, args=flags, default=dataclasses.replace(module.Args(), **module.TOY))
+    per_prompt = module.planned_nfe(args)
+    return args.prompts_per_iteration * sum(per_prompt.values())
+
+
 def seeds_of(a, config):
     """The seeds a config runs: --seeds if given, else 0 .. (its count in CONFIGS) - 1."""
-    return a.seeds if a.seeds else list(range(CONFIGS[config][3]))
+    return a.seeds if a.seeds else list(range(CONFIGS[config][2]))
 
 
 def plan(a):
@@ -73,7 +89,7 @@ def plan(a):
     if a.iterations:
         return {c: a.iterations for c in a.configs}
     e = a.eval_every
-    return {c: max(a.min_iterations, e * math.ceil(a.budget_nfe / CONFIGS[c][2] / e)) for c in a.configs}
+    return {c: max(a.min_iterations, e * math.ceil(a.budget_nfe / planned_per_iteration(c) / e)) for c in a.configs}
 
 
 def raw_path(a, config, seed):
@@ -135,7 +151,7 @@ def run_all(a):
             check_settings(raw_path(a, c, s), settings(a, c, iters[c]))
             check_settings(os.path.join(a.runs_dir, c, f"seed{s}.json"), settings(a, c, iters[c]))
     todo = [(c, s) for s in range(max(max(seeds_of(a, c)) for c in a.configs) + 1)
-            for c in sorted(a.configs, key=lambda c: -iters[c] * CONFIGS[c][2])
+            for c in sorted(a.configs, key=lambda c: -iters[c] * planned_per_iteration(c))
             if s in seeds_of(a, c) and not os.path.exists(raw_path(a, c, s))]
     print(f"{len(todo)} runs to do, {a.workers} at a time; iterations per config: {iters}", flush=True)
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONWARNINGS="ignore",
