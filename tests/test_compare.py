@@ -18,8 +18,9 @@ def test_plan_gives_each_config_the_nfe_budget_in_whole_evaluation_blocks():
     a = argparse.Namespace(iterations=0, eval_every=5, min_iterations=10, budget_nfe=61_440, configs=list(compare.CONFIGS))
     iters = compare.plan(a)
     assert iters["flow_grpo"] == 20 and iters["dense_n1"] == 40 and iters["g2rpo_L123"] == 10
+    assert iters["dancegrpo"] == 30 and iters["mixgrpo"] == 35 and iters["mixgrpo_flash"] == 55
     for c, n in iters.items():
-        nfe = compare.CONFIGS[c][2]
+        nfe = compare.planned_per_iteration(c)  # from the file's own planned_nfe
         assert n % 5 == 0 and n >= 10 and n * nfe >= 61_440, c
         assert n == 10 or (n - 5) * nfe < 61_440, c  # the smallest such count
     a.iterations = 3
