@@ -198,7 +198,7 @@ def load_psi(path: str, num_steps: int) -> list[float]:
     return [float(p) for p in psi]
 
 
-def dense_rewards(latent_rewards, baseline: bool = False):
+def dense_rewards(latent_rewards, *, baseline: bool = False):
     """Latent rewards R(x_i) [T + 1, N] along each trajectory (i = 0 the noise, T the image) -> step rewards
     Delta R_i = R(x_{i+1}) - R(x_i) [T, N] (float64: they telescope exactly), or R(x_{i+1}) (baseline)."""
     r = latent_rewards.double()
@@ -352,7 +352,8 @@ if __name__ == "__main__":
 
         # ALGO LOGIC: dense rewards Delta R_t = R(x_{t-1}) - R(x_t) per step, and per-step advantages
         latent_rewards = {k: torch.cat([p[k] for p in parts]).view(T + 1, P * G) for k in reward_fns}
-        dense = {k: dense_rewards(v, args.dense_baseline) for k, v in latent_rewards.items()}  # [T, P G]
+        # [T, P G] per reward
+        dense = {k: dense_rewards(v, baseline=args.dense_baseline) for k, v in latent_rewards.items()}
         scores = {k: v[T] for k, v in latent_rewards.items()}  # the final images' rewards
         all_scores = {k: gather_cat(v.view(P, G).to(device)).cpu() for k, v in scores.items()}
         advantages = []

@@ -1,4 +1,4 @@
-"""The three algorithms compared on the toy world at equal iterations and at equal NFE, over several seeds.
+"""The algorithm files compared on the toy world at equal iterations and at equal NFE, over several seeds.
 
     python results/compare.py                  # run every missing (config, seed), then write results/compare/
     python results/compare.py --summary-only   # rebuild the plots and tables from results/compare/raw/
@@ -45,13 +45,48 @@ CONFIGS = {
     "flow_grpo_colour_only": ("flow_grpo.py", ["--rewards", A, "--eval-rewards", B, S], 3),
     "flow_grpo_shape_only": ("flow_grpo.py", ["--rewards", B, "--eval-rewards", A, S], 3),
 }
+# The papers' main tables, each row a config: name: (title, {config: the paper's row name}, claims); a claim is
+# (what the paper finds, config a, config b, kind): "better" = a above b; "comparable" = a within a margin of b.
+TABLES = {
+    "g2rpo_table1": ("G2RPO Table 1 on the toy", {
+        "dancegrpo": "DanceGRPO", "mixgrpo": "MixGRPO", "g2rpo_L1": "G2RPO w/o MGAI (Lambda {1})",
+        "g2rpo_L12": "G2RPO, Lambda {1, 2}", "g2rpo_L13": "G2RPO, Lambda {1, 3}", "g2rpo_L123": "G2RPO, Lambda {1, 2, 3}"}, [
+        ("G2RPO beats DanceGRPO", "g2rpo_L123", "dancegrpo", "better"),
+        ("G2RPO beats MixGRPO", "g2rpo_L123", "mixgrpo", "better"),
+        ("Singular Stochastic Sampling alone (w/o MGAI) beats DanceGRPO", "g2rpo_L1", "dancegrpo", "better"),
+        ("MixGRPO beats DanceGRPO", "mixgrpo", "dancegrpo", "better"),
+        ("MGAI helps: Lambda {1, 2, 3} beats {1}", "g2rpo_L123", "g2rpo_L1", "better"),
+        ("Lambda {1, 2} beats {1}", "g2rpo_L12", "g2rpo_L1", "better"),
+        ("Lambda {1, 3} beats {1}", "g2rpo_L13", "g2rpo_L1", "better")]),
+    "densegrpo_table1": ("DenseGRPO Table 1 on the toy", {
+        "flow_grpo": "Flow-GRPO", "flow_grpo_coca": "Flow-GRPO + CoCA", "dense_baseline": "Dense reward (baseline)",
+        "dense_uniform": "DenseGRPO, uniform psi = 0.5", "dense_calibrated": "DenseGRPO (calibrated psi(t))"}, [
+        ("DenseGRPO beats Flow-GRPO", "dense_calibrated", "flow_grpo", "better"),
+        ("DenseGRPO beats Flow-GRPO + CoCA", "dense_calibrated", "flow_grpo_coca", "better"),
+        ("CoCA beats Flow-GRPO", "flow_grpo_coca", "flow_grpo", "better"),
+        ("The step reward Delta R beats the dense reward baseline R_{t-1}", "dense_calibrated", "dense_baseline",
+         "better"),
+        ("The calibrated psi(t) beats a uniform psi", "dense_calibrated", "dense_uniform", "better"),
+        ("A uniform psi still beats Flow-GRPO", "dense_uniform", "flow_grpo", "better")]),
+    "mixgrpo_flash": ("MixGRPO-Flash's efficiency claim on the toy", {
+        "mixgrpo": "MixGRPO", "mixgrpo_flash": "MixGRPO-Flash"}, [
+        ("MixGRPO-Flash reaches a reward comparable to MixGRPO's", "mixgrpo_flash", "mixgrpo", "comparable")]),
+}
+QUESTIONS = [  # the other questions of this comparison, judged like the tables' claims
+    ("DenseGRPO: n = 2 beats n = t", "dense_n2", "dense_calibrated", "better"),
+    ("DenseGRPO: Flow-GRPO beats n = 1 (the paper: n = 1 is worse than Flow-GRPO)", "flow_grpo", "dense_n1", "better"),
+    ("Flow-GRPO: the official KL scale beats the exact Gaussian KL", "flow_grpo", "flow_grpo_exact_kl", "better"),
+    ("G2RPO: one step per trained k (lr 1.25e-5) is comparable to one per iteration (lr 1e-4)", "g2rpo_L123",
+     "g2rpo_L123_1step", "comparable"),
+    ("G2RPO w/o MGAI beats Flow-GRPO", "g2rpo_L1", "flow_grpo", "better"),
+    ("DanceGRPO is comparable to Flow-GRPO", "dancegrpo", "flow_grpo", "comparable"),
+    ("Joint training beats colour/position-only training", "flow_grpo", "flow_grpo_colour_only", "better"),
+    ("Shape/count-only training beats joint training", "flow_grpo_shape_only", "flow_grpo", "better"),
+]
+MARGIN = 0.25  # "comparable": the 2-SE interval of the difference within +- this fraction of b's gain
+FIRST_SEEDS = 5  # a claim whose rows have more seeds is also judged on the first 5 (what the longer budget changed)
 FIGURES = {  # file: (question, configs)
-    "g2rpo_table1": ("G2RPO's Table 1 on the toy: DanceGRPO, MixGRPO, G2RPO w/o MGAI and with Lambda {1,2}, {1,3}, "
-                     "{1,2,3}", ["dancegrpo", "mixgrpo", "g2rpo_L1", "g2rpo_L12", "g2rpo_L13", "g2rpo_L123"]),
-    "densegrpo_table1": ("DenseGRPO's Table 1 on the toy: Flow-GRPO, Flow-GRPO + CoCA, DenseGRPO, the dense reward "
-                         "baseline", ["flow_grpo", "flow_grpo_coca", "dense_calibrated", "dense_uniform",
-                                      "dense_baseline"]),
-    "mixgrpo_flash": ("MixGRPO-Flash: fewer NFE for a comparable reward?", ["mixgrpo", "mixgrpo_flash"]),
+    **{name: (title, list(rows)) for name, (title, rows, _) in TABLES.items()},
     "g2rpo_lambdas": ("G2RPO: does multi-granularity (Lambda) help, and at what cost?",
                       ["g2rpo_L1", "g2rpo_L12", "g2rpo_L13", "g2rpo_L123"]),
     "dense_psi_n": ("DenseGRPO: calibrated vs uniform psi, and ODE completion length n",
@@ -263,20 +298,87 @@ def change(xs, pick, metric):
     return f"{m:+.4f} +- {sd / math.sqrt(n):.4f}" if n > 1 else f"{m:+.4f}"
 
 
-def headline(cv, runs, eq_iter, eq_nfe):
-    """One row per config: the training reward (mean of the two toy rewards) and the strict metric, changed from the
-    base model, at equal NFE, at equal iterations and at the full budget, mean +- standard error over seeds."""
-    at_nfe, at_it = (lambda x, m: at(x, "nfe", eq_nfe, m)), (lambda x, m: at(x, "iteration", eq_iter, m))  # noqa: E731
-    last = lambda x, m: x[-1][m]  # noqa: E731
-    lines = [f"| config | seeds | iterations | NFE per iteration | training reward, equal NFE ({eq_nfe:,.0f}) | strict, equal "
-             f"NFE | training reward, equal iterations ({eq_iter}) | strict, equal iterations | strict, full budget |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for c, xs in cv.items():
+def gains(xs, key, value, metric):
+    """Each run's change from its base model (iteration 0) at curve[key] == value; runs that end before it are left
+    out."""
+    picked = [(at(x, key, value, metric), x[0][metric]) for x in xs]
+    return [v - base for v, base in picked if v is not None]
+
+
+def difference(cv, a, b, key, value, metric):
+    """(mean gain of a - mean gain of b, its standard error sqrt(SE_a^2 + SE_b^2), b's mean gain)."""
+    (ma, sa, na), (mb, sb, nb) = stats(gains(cv[a], key, value, metric)), stats(gains(cv[b], key, value, metric))
+    se = math.hypot(sa / math.sqrt(na), sb / math.sqrt(nb)) if na > 1 and nb > 1 else float("nan")
+    return ma - mb, se, mb
+
+
+def judge(d, se, kind, ref):
+    """better: supported at d >= 2 SE, not supported at d <= -2 SE; comparable: supported when |d| + 2 SE is within
+    MARGIN |ref|, not supported when |d| - 2 SE is beyond it; unresolved otherwise."""
+    if not se > 0:
+        return "unresolved"
+    if kind == "better":
+        return "supported" if d >= 2 * se else "not supported" if d <= -2 * se else "unresolved"
+    margin = MARGIN * abs(ref)
+    return "supported" if abs(d) + 2 * se <= margin else "not supported" if abs(d) - 2 * se > margin else "unresolved"
+
+
+def overall(verdicts, kind):
+    """One verdict from the training reward's and the strict metric's: better needs one supported and none not
+    supported; comparable needs both supported (one not supported is enough against)."""
+    if kind == "comparable":
+        return ("supported" if set(verdicts) == {"supported"} else
+                "not supported" if "not supported" in verdicts else "unresolved")
+    if "supported" in verdicts and "not supported" not in verdicts:
+        return "supported"
+    return "not supported" if "not supported" in verdicts and "supported" not in verdicts else "unresolved"
+
+
+def claim_rows(cv, claims):
+    """One row per claim (and one on the first FIRST_SEEDS seeds where a row has more): the difference of the
+    gains at equal iterations and at equal NFE (the last point both configs reach), with the verdicts."""
+    lines = ["| claim (a vs b) | seeds (a, b) | iterations | training reward | strict | verdict | NFE | "
+             "training reward | strict | verdict |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for text, a, b, kind in claims:
+        if a not in cv or b not in cv:
+            continue
+        subsets = [(cv, "")]
+        if max(len(cv[a]), len(cv[b])) > FIRST_SEEDS:
+            subsets.append(({a: cv[a][:FIRST_SEEDS], b: cv[b][:FIRST_SEEDS]}, f", first {FIRST_SEEDS} seeds"))
+        for sub, note in subsets:
+            cells = [f"{text}{note} ({a} vs {b})", f"{len(sub[a])}, {len(sub[b])}"]
+            for key in ("iteration", "nfe"):
+                value = min(x[-1][key] for x in sub[a] + sub[b])
+                verdicts = []
+                cells.append(f"{value:,.0f}")
+                for metric in ("train", S):
+                    d, se, ref = difference(sub, a, b, key, value, metric)
+                    verdicts.append(judge(d, se, kind, ref))
+                    cell_text = f"{d:+.4f} +- {se:.4f}, {d / se:+.1f} SE" if se > 0 else f"{d:+.4f} (one seed: no SE)"
+                    cells.append(cell_text + (f" (margin {MARGIN * abs(ref):.4f})" if kind == "comparable" else ""))
+                cells.append(f"**{overall(verdicts, kind)}**")
+            lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def paper_table(cv, runs, title, rows, claims):
+    """A paper's table on the toy: each row's change from the base model +- SE over seeds at the table's equal
+    iterations and equal NFE (the last point every row reaches), then its claims."""
+    rows = {c: name for c, name in rows.items() if c in cv}
+    if not rows:
+        return []
+    eq_iter = min(x[-1]["iteration"] for c in rows for x in cv[c])
+    eq_nfe = min(x[-1]["nfe"] for c in rows for x in cv[c])
+    at_it, at_nfe = (lambda x, m: at(x, "iteration", eq_iter, m)), (lambda x, m: at(x, "nfe", eq_nfe, m))  # noqa: E731
+    lines = [f"### {title}", "", f"| method | config | seeds | iterations | NFE per iteration | training reward, "
+             f"{eq_iter} iterations | strict, {eq_iter} iterations | training reward, {eq_nfe:,.0f} NFE | strict, "
+             f"{eq_nfe:,.0f} NFE |", "|---|---|---|---|---|---|---|---|---|"]
+    for c, name in rows.items():
         nfe = stats([r["perf/nfe_per_iteration"] for run in runs[c] for r in run["metrics"] if "perf/nfe_per_iteration" in r])
-        lines.append(f"| {c} | {len(xs)} | {xs[0][-1]['iteration']} | {nfe[0]:,.0f} | {change(xs, at_nfe, 'train')} | "
-                     f"{change(xs, at_nfe, S)} | {change(xs, at_it, 'train')} | {change(xs, at_it, S)} | "
-                     f"{change(xs, last, S)} |")
-    return "\n".join(lines) + "\n"
+        lines.append(f"| {name} | {c} | {len(cv[c])} | {cv[c][0][-1]['iteration']} | {nfe[0]:,.0f} | "
+                     f"{change(cv[c], at_it, 'train')} | {change(cv[c], at_it, S)} | {change(cv[c], at_nfe, 'train')} | "
+                     f"{change(cv[c], at_nfe, S)} |")
+    return lines + ["", *claim_rows(cv, claims), ""]
 
 
 def summarize(a):
@@ -298,6 +400,19 @@ def summarize(a):
              "over seeds, in brackets the change from the base model (iteration 0) +- its standard error over seeds; "
              "'strict gain / SE' is that change of the strict metric over its standard error (n/a with one seed). "
              "NFE counts every transformer forward (sampling, ODE completions, training and reference forwards).", ""]
+    papers = ["## The papers' tables on the toy", "",
+              "Each row: the change from the base model (iteration 0), mean +- standard error over seeds, of the training "
+              "reward (mean of the two toy rewards) and of the strict metric (never trained on), at the table's equal "
+              "iterations and equal NFE (the last point every row reaches; linear between evaluations). Claims: the "
+              "difference of the two rows' changes +- sqrt(SE_a^2 + SE_b^2), at the last iteration and NFE both rows "
+              "reach. 'better' claims are supported at >= 2 SE in one metric with none <= -2 SE, not supported at "
+              "<= -2 SE with none >= 2 SE, else unresolved; 'comparable' claims are supported when the 2-SE interval of "
+              f"both differences lies within +- {MARGIN:.0%} of b's change (the margin), not supported when either lies "
+              "beyond it.", ""]
+    for title, rows, claims in TABLES.values():
+        papers += paper_table(cv, runs, title, rows, claims)
+    papers += ["### Other questions", "", *claim_rows(cv, QUESTIONS), ""]
+    lines += papers
     for title, key, value in [(f"Equal iterations ({eq_iter})", "iteration", eq_iter),
                               (f"Equal NFE ({eq_nfe:,.0f} per run; linear between the two evaluations around it)", "nfe",
                                eq_nfe), ("Each run's last evaluation (its full budget)", None, None)]:
@@ -331,8 +446,8 @@ def summarize(a):
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "tables.md"), "w") as f:
         f.write("\n".join(lines))
-    with open(os.path.join(a.out, "headline.md"), "w") as f:  # the README's condensed table
-        f.write(headline(cv, runs, eq_iter, eq_nfe))
+    with open(os.path.join(a.out, "headline.md"), "w") as f:  # the README's tables
+        f.write("\n".join(papers))
 
     def band(ax, configs, x_key, metric):
         """Mean over the seeds that have an evaluation at each iteration, +- the standard error where n > 1."""

@@ -35,6 +35,39 @@ def test_interpolation_between_evaluations():
     assert compare.at(curve, "nfe", 301.0, "x") is None
 
 
+def test_verdicts_follow_the_stated_rules():
+    assert compare.judge(0.02, 0.01, "better", 0.05) == "supported"  # exactly 2 SE
+    assert compare.judge(0.019, 0.01, "better", 0.05) == "unresolved"
+    assert compare.judge(-0.03, 0.01, "better", 0.05) == "not supported"
+    assert compare.judge(0.0, float("nan"), "better", 0.05) == "unresolved"  # one seed: no SE, no verdict
+    # comparable: |d| + 2 SE within 25% of b's change (0.0125 here); beyond it by more than 2 SE: not supported
+    assert compare.judge(0.002, 0.005, "comparable", 0.05) == "supported"
+    assert compare.judge(0.004, 0.005, "comparable", 0.05) == "unresolved"
+    assert compare.judge(-0.03, 0.005, "comparable", 0.05) == "not supported"
+    assert compare.overall(["supported", "unresolved"], "better") == "supported"
+    assert compare.overall(["supported", "not supported"], "better") == "unresolved"
+    assert compare.overall(["unresolved", "not supported"], "better") == "not supported"
+    assert compare.overall(["supported", "unresolved"], "comparable") == "unresolved"
+    assert compare.overall(["supported", "supported"], "comparable") == "supported"
+
+
+def test_claims_are_the_difference_of_gains_with_the_standard_error_of_a_difference():
+    def curve(gain, base=0.5):  # evaluations at iterations 0, 5, 10; NFE 100 per iteration
+        return [{"iteration": i, "nfe": 100.0 * i, "train": base + gain * i / 10, compare.S: base + gain * i / 10}
+                for i in (0, 5, 10)]
+    cv = {"a": [curve(g) for g in (0.03, 0.05, 0.04)], "b": [curve(g) for g in (0.01, 0.02, 0.0)]}
+    d, se, ref = compare.difference(cv, "a", "b", "iteration", 10, compare.S)
+    assert d == pytest.approx(0.03) and ref == pytest.approx(0.01)
+    assert se == pytest.approx(((0.01 ** 2 / 3) + (0.01 ** 2 / 3)) ** 0.5)  # both samples have std 0.01
+    d5, _, _ = compare.difference(cv, "a", "b", "nfe", 500.0, compare.S)  # halfway: half the gains
+    assert d5 == pytest.approx(0.015)
+    (row,) = compare.claim_rows(cv, [("a beats b", "a", "b", "better")])[2:]
+    assert row.startswith("| a beats b (a vs b) | 3, 3 | 10 | +0.0300 +- 0.0082, +3.7 SE |") and "**supported**" in row
+    cv["a"] += [curve(0.0)] * 3  # six seeds: also judged on the first five
+    rows = compare.claim_rows(cv, [("a beats b", "a", "b", "better")])[2:]
+    assert len(rows) == 2 and "first 5 seeds" in rows[1] and "| 5, 3 |" in rows[1]
+
+
 @pytest.mark.slow
 def test_tiny_comparison_end_to_end_and_resumable(tmp_path):
     runs, out, tiny = tmp_path / "runs", tmp_path / "out", ["--group-size", "3", "--prompts-per-iteration", "1"]
@@ -66,6 +99,10 @@ def test_tiny_comparison_end_to_end_and_resumable(tmp_path):
         assert heading in tables, heading
     for fig in compare.FIGURES:
         assert os.path.getsize(out / f"{fig}.png") > 10_000
+    made = {f: (out / f).read_bytes() for f in os.listdir(out) if f.endswith((".md", ".png"))}
+    rebuilt = subprocess.run([*cmd, "--summary-only"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert rebuilt.returncode == 0, rebuilt.stderr[-2000:]
+    assert {f: (out / f).read_bytes() for f in made} == made  # byte for byte from raw/
     again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0 and "0 runs to do" in again.stdout, again.stdout[-2000:] + again.stderr[-2000:]
     changed = subprocess.run([*cmd[:-4], "--eval-num", "8", *cmd[-4:]], cwd=ROOT, capture_output=True, text=True,
