@@ -3,8 +3,10 @@ that writes raw logs, tables and plots and skips finished runs when run again.""
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -108,3 +110,21 @@ def test_tiny_comparison_end_to_end_and_resumable(tmp_path):
     changed = subprocess.run([*cmd[:-4], "--eval-num", "8", *cmd[-4:]], cwd=ROOT, capture_output=True, text=True,
                              timeout=300)
     assert changed.returncode == 1 and "was made with" in changed.stderr and "not {" in changed.stderr, changed.stderr
+
+
+@pytest.mark.slow
+def test_a_stopped_comparison_stops_its_runs(tmp_path):
+    runs = tmp_path / "runs"
+    cmd = [sys.executable, os.path.join(ROOT, "results", "compare.py"), "--configs", "flow_grpo", "--seeds", "0",
+           "--iterations", "50", "--eval-every", "50", "--eval-num", "4", "--extra", "--group-size 3",
+           "--runs-dir", str(runs), "--out", str(tmp_path / "out")]
+    p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert "start flow_grpo seed 0" in "".join(p.stdout.readline() for _ in range(2))
+    time.sleep(5)  # the run is training
+    p.send_signal(signal.SIGTERM)
+    t0 = time.time()
+    _, err = p.communicate(timeout=120)
+    assert time.time() - t0 < 30  # the run obeyed its terminate(), not the kill() 60 s later
+    assert p.returncode == 1 and "interrupted; run the same command again to resume" in err, err[-2000:]
+    left = subprocess.run(["pgrep", "-f", str(runs)], capture_output=True, text=True).stdout.split()
+    assert left == [], left  # no run left behind, still training into the run directory
