@@ -263,7 +263,7 @@ def select(emb: dict, index) -> dict:
     return {k: v[index] for k, v in emb.items()}
 
 
-def velocity(transformer, kind: str, x, sigma, emb: dict, guidance: float = 1.0):
+def velocity(transformer, kind: str, x, sigma, emb: dict, *, guidance: float):
     """The model's velocity v(x, sigma) for latents x [B, C, H, W]. Hides Flux's packing, position ids and
     guidance embedding (timestep sigma), and SD3's classifier-free guidance (timestep 1000 sigma, [neg;
     pos])."""
@@ -299,8 +299,8 @@ def velocity(transformer, kind: str, x, sigma, emb: dict, guidance: float = 1.0)
 
 def velocities(transformer, kind: str, x, sigma, emb: dict, *, rows, chunks, guidance: float):
     """velocity() of every row of x, one forward per chunk of rows; row n uses embedding emb[rows[n]]."""
-    parts = [velocity(transformer, kind, x[c], sigma, select(emb, rows[c]), guidance) for c in chunks]
-    return torch.cat(parts)
+    return torch.cat([velocity(transformer, kind, x[c], sigma, select(emb, rows[c]), guidance=guidance)
+                      for c in chunks])
 
 
 @torch.no_grad()
@@ -315,7 +315,7 @@ def ode_complete(transformer, kind: str, x, paths: list, sigmas, emb: dict, *, g
     if v_first is None and max(map(len, paths)) > 1:
         s0 = sigmas[[p[0] for p in paths[:n]]]
         v_first = torch.cat([velocity(transformer, kind, x[c], s0[c], select(emb, emb_index[c].to(x.device)),
-                                      guidance).float() for c in torch.arange(n).split(micro_batch)])
+                                      guidance=guidance).float() for c in torch.arange(n).split(micro_batch)])
     x = x.float().repeat(reps, *[1] * (x.ndim - 1))
     for k in range(max(map(len, paths)) - 1):
         live = [r for r, p in enumerate(paths) if len(p) > k + 1]
@@ -328,7 +328,7 @@ def ode_complete(transformer, kind: str, x, paths: list, sigmas, emb: dict, *, g
             parts = []
             for c in torch.arange(len(rows)).split(micro_batch):
                 e = select(emb, emb_index[start[rows[c]]].to(x.device))
-                parts.append(velocity(transformer, kind, x[rows[c]], s[c], e, guidance).float())
+                parts.append(velocity(transformer, kind, x[rows[c]], s[c], e, guidance=guidance).float())
             v = torch.cat(parts)
         x[rows] = x[rows] + v * ds  # Euler step dx = v dt
     return x

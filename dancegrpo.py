@@ -266,7 +266,7 @@ if __name__ == "__main__":
                 splits = [r for c in chunks for r in (c[trains[c, i]], c[~trains[c, i]]) if len(r)]
                 v = torch.empty_like(latents[i])
                 v[torch.cat(splits)] = velocities(transformer, kind, latents[i], sigmas[i], emb, rows=group,
-                                                  chunks=splits, guidance=args.guidance)
+                                                  chunks=splits, guidance=args.guidance).float()
                 x_next = torch.empty_like(latents[i])
                 log_prob = torch.empty(P * G, device=device)
                 for c in chunks:  # the same micro-batches draw the noise, in order
@@ -306,7 +306,8 @@ if __name__ == "__main__":
                     has_gradient = has_gradient or signal
                     emb_c = select(emb, group[c])
                     with amp:
-                        v = velocity(transformer, kind, latents[j][c], sigmas[j], emb_c, args.guidance)
+                        v = velocity(transformer, kind, latents[j][c], sigmas[j], emb_c,
+                                     guidance=args.guidance)
                     _, log_prob, mean, std = sde_step(v, latents[j][c], sigmas, j, noise_levels[j],
                                                       prev_sample=latents[j + 1][c], form="dance")
                     ratio = torch.exp(log_prob - old_log_probs[j][c])
@@ -315,7 +316,8 @@ if __name__ == "__main__":
                     kl = torch.zeros_like(policy_loss)
                     if args.beta > 0:  # the KL of the step means (Flow-GRPO's code)
                         with torch.no_grad(), amp, as_reference(transformer, ref_model) as reference:
-                            v_ref = velocity(reference, kind, latents[j][c], sigmas[j], emb_c, args.guidance)
+                            v_ref = velocity(reference, kind, latents[j][c], sigmas[j], emb_c,
+                                             guidance=args.guidance)
                         mean_ref, _, _ = sde_mean_std(v_ref, latents[j][c], sigmas, j, noise_levels[j],
                                                       form="dance")
                         # official: / (2 std_dev_t^2) with std_dev_t^2 = std^2 / |dt|; exact: / (2 std^2)

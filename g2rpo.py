@@ -308,7 +308,8 @@ if __name__ == "__main__":
                     emb_c = select(emb, a)
                     rows = group[c] - a[0]  # each member reuses its prompt's v(x_k): they share x_k exactly
                     with amp:
-                        v = velocity(transformer, kind, anchor_x[j][a], sigmas[j], emb_c, args.guidance)[rows]
+                        v = velocity(transformer, kind, anchor_x[j][a], sigmas[j], emb_c,
+                                     guidance=args.guidance)[rows]
                     _, log_prob, mean, std = sde_step(v, anchor_x[j][a][rows], sigmas, j, args.noise_level,
                                                       prev_sample=post[j][c])
                     ratio = torch.exp(log_prob - old_log_probs[j][c])
@@ -317,7 +318,8 @@ if __name__ == "__main__":
                     kl = torch.zeros_like(policy_loss)
                     if args.beta > 0:  # the KL of the step means (Flow-GRPO's code)
                         with torch.no_grad(), amp, as_reference(transformer, ref_model) as reference:
-                            v_ref = velocity(reference, kind, anchor_x[j][a], sigmas[j], emb_c, args.guidance)
+                            v_ref = velocity(reference, kind, anchor_x[j][a], sigmas[j], emb_c,
+                                             guidance=args.guidance)
                         mean_ref, _, _ = sde_mean_std(v_ref[rows], anchor_x[j][a][rows], sigmas, j,
                                                       args.noise_level)
                         # official: / (2 std_dev_t^2) with std_dev_t^2 = std^2 / |dt|; exact: / (2 std^2)

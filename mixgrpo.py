@@ -363,7 +363,8 @@ if __name__ == "__main__":
                     has_gradient = has_gradient or signal
                     emb_c = select(emb, group[c])
                     with amp:
-                        v = velocity(transformer, kind, latents[j][c], sigmas[j], emb_c, args.guidance)
+                        v = velocity(transformer, kind, latents[j][c], sigmas[j], emb_c,
+                                     guidance=args.guidance)
                     _, log_prob, mean, std = sde_step(v, latents[j][c], sigmas, j, noise_levels[j],
                                                       prev_sample=latents[j + 1][c])
                     ratio = torch.exp(log_prob - old_log_probs[j][c])
@@ -372,7 +373,8 @@ if __name__ == "__main__":
                     kl = torch.zeros_like(policy_loss)
                     if args.beta > 0:  # the KL of the step means (Flow-GRPO's code)
                         with torch.no_grad(), amp, as_reference(transformer, ref_model) as reference:
-                            v_ref = velocity(reference, kind, latents[j][c], sigmas[j], emb_c, args.guidance)
+                            v_ref = velocity(reference, kind, latents[j][c], sigmas[j], emb_c,
+                                             guidance=args.guidance)
                         mean_ref, _, _ = sde_mean_std(v_ref, latents[j][c], sigmas, j, noise_levels[j])
                         # official: / (2 std_dev_t^2) with std_dev_t^2 = std^2 / |dt|; exact: / (2 std^2)
                         step = float(sigmas[j] - sigmas[j + 1])  # |dt|

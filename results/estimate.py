@@ -1,24 +1,38 @@
 """Per-GPU peak memory and compute per iteration of the README's command lines, estimated on a CPU.
 
-    python results/estimate.py               # every README command (~15 min) -> results/estimate.md
-    python results/estimate.py --tiny        # the same code paths on tiny architectures (seconds; run by the tests)
+    python results/estimate.py            # every README command (~20-30 min) -> results/estimate.md
+    python results/estimate.py --tiny     # the same code paths on tiny architectures (the tests run it)
 
-Each command is parsed into its algorithm file's own `Args` (tyro). The real architectures (the FLUX.1-dev and SD3.5-M
-transformers, T5-XXL and CLIP text encoders, the VAE, open_clip ViT-H-14 / PickScore reward models) are built under
-`FakeTensorMode`: shapes and dtypes only, no data, no memory. Full fine-tuning is sharded with `common.shard` (FSDP2,
-bf16 compute, float32 master shards) over a fake process group of the command's world size; LoRA runs hold bf16 frozen
-weights and float32 adapters from `common.make_trainable`. One iteration's phases then run on one rank with the shapes
-the file uses: prompt encoding; the rollout (`common.gathered` weights, the stored latents / log-probs / velocities of
-all steps, a no-grad `common.velocity` forward of one micro-batch, `common.ode_complete`'s buffers, `common.decode` of
-one VAE batch, a reward forward); one training micro-batch (`velocity` with grad, `sde_step`, `reference_kl`,
-`clipped_policy_loss`, backward) and the optimizer step; evaluation. `torch.distributed._tools.MemTracker` gives each
-phase's peak; `FlopCounterMode` the FLOPs of one forward, one training forward + backward, one decode and one reward
-call, multiplied by the file's own closed-form NFE (`planned_nfe`). Not modelled: communication time, the allocator's
-fragmentation (keep ~10% headroom), CUDA context and kernels (~0.5-1 GiB), autocast (these runs use none: LoRA and
-FSDP2 compute in bf16 directly, as the files do on GPUs).
+Each command is parsed into its algorithm file's own `Args` (tyro). The real architectures (the FLUX.1-dev and
+SD3.5-M transformers, T5-XXL and CLIP text encoders, the VAE, the reward models: open_clip ViT-H-14 for HPS
+and the CLIP score, PickScore's CLIP-H, ImageReward's BLIP, the aesthetic predictor's CLIP ViT-L/14) are built
+under `FakeTensorMode`: shapes and dtypes only, no data, no memory. Full fine-tuning is sharded by
+`common.make_trainable` itself (FSDP2, bf16 compute, float32 master shards) over a fake process group of the
+command's world size; LoRA runs hold bf16 frozen weights and float32 adapters, also from `make_trainable`.
+One iteration's phases then run on one rank with the shapes the file uses:
+- encode: the text encoders on the GPU for 16 prompts (`common.encode_prompts`' chunk);
+- rollout: what the file keeps for the whole iteration (every latent, the log-probs, the sampler's velocities
+  where it keeps them, the images, G2RPO's anchors, DenseGRPO's completions), `common.gathered` weights, one
+  no-grad `common.velocity` forward of a micro-batch and `common.ode_complete`'s buffers;
+- decode: one VAE call of 4 latents (`common.decode`); rewards: each training reward on the images the file
+  scores at once, preprocessing included, towers in bf16 and heads in float32 as rewards.py runs them
+  (Flow-GRPO + CoCA: then the credit of `common.coca_credit` on the x0 predictions);
+- training step: one micro-batch with the files' own lines (`velocity` with grad, `sde_step` with
+  prev_sample, for beta > 0 the reference velocity under `common.as_reference` and `sde_mean_std`'s mean, the
+  PPO-clipped loss, backward); optimizer step: gradient clipping and AdamW;
+- evaluation encode / evaluation: `common.evaluate_policy`'s phases for this rank's held-out pairs.
+`torch.distributed._tools.MemTracker` gives each phase's peak; `FlopCounterMode` the FLOPs of one forward, one
+training forward + backward, one decode and one reward call, multiplied by the file's own closed-form NFE
+(`planned_nfe`; MixGRPO's at iteration 0). Also: the reward models alone (resident and one 12-image forward,
+bf16 towers against float32 as the papers' evaluation code runs them) and evaluate.py's evaluation of
+FLUX.1-dev (modelled with `common.evaluate_policy`'s phases). Not modelled: communication time, the
+allocator's fragmentation (keep ~10% headroom), CUDA context and kernels (~0.5-1 GiB), autocast (these runs
+use none: LoRA and FSDP2 compute in bf16 directly, as the files do on GPUs).
 """
 import argparse
 import contextlib
+import copy
+import functools
 import importlib
 import math
 import os
@@ -32,90 +46,251 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "toy")]
 GIB = 2**30
 
 # The README's command lines: (name, script, arguments, GPUs). Single-GPU entry points come last.
-DANCE = ("--model flux-dev --resolution 720 --guidance 3.5 --max-sequence-length 512 --schedule shifted --num-steps 16 "
-         "--group-size 12 --noise-form dance --noise-level 0.3 --timestep-selection random --timestep-fraction 0.6 "
-         "--same-init-noise --rewards hps clip --reward-combine advantages --no-global-std --std-unbiased --adv-eps 1e-8 "
-         "--beta 0 --no-ema --micro-batch 4")
+LORA_1GPU = ("--prompts-per-iteration 1 --no-full-finetune --lora-rank 64 --lora-alpha 128 "
+             "--learning-rate 1e-4 --eval-num 64")
 COMMANDS = [
     ("Flow-GRPO, SD3.5-M, PickScore (LoRA)", "flow_grpo", "", 8),
     ("Flow-GRPO, FLUX.1-dev, PickScore (LoRA)", "flow_grpo", "--model flux-dev --num-steps 6 --eval-steps 28 "
      "--noise-level 0.9 --beta 0 --guidance 3.5 --lora-rank 64 --lora-alpha 128", 8),
-    ("DanceGRPO, FLUX.1-dev, HPS + CLIP (full FT)", "flow_grpo", DANCE + " --prompts-per-iteration 16 --full-finetune "
-     "--learning-rate 1e-5 --updates-per-iteration 3", 16),
+    ("Flow-GRPO + CoCA, SD3.5-M, PickScore (LoRA)", "flow_grpo", "--credit coca", 8),
+    ("DanceGRPO, FLUX.1-dev, HPS + CLIP (full FT)", "dancegrpo", "", 16),
+    # the official 4 nodes x 8
+    ("MixGRPO, FLUX.1-dev, HPS + ImageReward + PickScore (full FT)", "mixgrpo", "", 32),
+    ("MixGRPO-Flash, FLUX.1-dev, HPS + ImageReward + PickScore (full FT)", "mixgrpo", "--flash", 32),
     ("G2RPO, FLUX.1-dev, HPS + CLIP, Lambda {1,2,3} (full FT)", "g2rpo", "--lambdas 1 2 3", 16),
     ("DenseGRPO, SD3.5-M, PickScore, n = t (LoRA)", "densegrpo", "", 8),
     ("DenseGRPO, SD3.5-M, n = 1 (LoRA)", "densegrpo", "--dense-ode-steps 1", 8),
     ("1 GPU: Flow-GRPO, SD3.5-M (LoRA)", "flow_grpo", "--prompts-per-iteration 2 --eval-num 64", 1),
+    ("1 GPU: Flow-GRPO + CoCA, SD3.5-M (LoRA)", "flow_grpo", "--credit coca --prompts-per-iteration 2 "
+     "--eval-num 64", 1),
     ("1 GPU: DenseGRPO, SD3.5-M (LoRA)", "densegrpo", "--prompts-per-iteration 1 --eval-num 64", 1),
-    ("1 GPU: DanceGRPO, FLUX.1-dev (LoRA)", "flow_grpo", DANCE + " --prompts-per-iteration 1 --no-full-finetune "
-     "--lora-rank 64 --lora-alpha 128 --learning-rate 1e-4 --updates-per-iteration 3 --eval-num 64", 1),
-    ("1 GPU: G2RPO, FLUX.1-dev (LoRA)", "g2rpo", "--lambdas 1 2 3 --prompts-per-iteration 1 --no-full-finetune "
-     "--lora-rank 64 --lora-alpha 128 --learning-rate 1e-4 --eval-num 64", 1),
+    ("1 GPU: DanceGRPO, FLUX.1-dev (LoRA)", "dancegrpo", LORA_1GPU, 1),
+    ("1 GPU: MixGRPO, FLUX.1-dev (LoRA)", "mixgrpo", LORA_1GPU, 1),
+    ("1 GPU: G2RPO, FLUX.1-dev (LoRA)", "g2rpo", "--lambdas 1 2 3 " + LORA_1GPU, 1),
 ]
+# evaluate.py's evaluation of FLUX.1-dev, modelled with common.evaluate_policy's phases
+EVALUATE = dict(name="evaluate.py, FLUX.1-dev, 720 px, 50 steps, 400 prompts, 8 GPUs", kind="flux",
+                resolution=720, steps=50, prompts=400, world=8, chunk=16, micro_batch=12, decode_batch=4,
+                max_sequence_length=512, guidance=3.5, rewards=("hps", "clip", "pickscore", "imagereward"))
+REWARD_TABLE = ("hps", "clip", "pickscore", "imagereward", "aesthetic")  # the reward models' own table
+REWARD_BATCH = 12
 PEAK_TFLOPS = {"A100": 312, "H100": 989}  # dense bf16 tensor-core peaks (SXM)
+MFU = 0.4
+# the phases of the main table, in order
+PHASES = ("encode", "rollout", "decode", "rewards", "training step", "optimizer step", "evaluation encode",
+          "evaluation")
 
 
-# ---------------------------------------------------------------- architectures (configs of the released checkpoints)
+# -------------------------------------------------------- architectures (the released checkpoints' configs)
+def _bos_eos(**kw):  # token ids of toy/tiny.py's word tokenizers (pad 0, bos 1, eos 3) for random models
+    return dict(pad_token_id=0, bos_token_id=1, eos_token_id=3, **kw)
+
+
 def architectures(kind: str, tiny: bool):
-    """(transformer, [text encoders], vae) constructors for FLUX.1-dev / SD3.5-M, or tiny stand-ins with the same code."""
+    """(transformer, [text encoders], vae) constructors for FLUX.1-dev / SD3.5-M (FluxPipeline's CLIP-L and
+    T5-XXL; SD3's CLIP-L and CLIP-G with projections and T5-XXL), or toy/tiny.py's tiny pipelines' modules."""
     from diffusers import AutoencoderKL, FluxTransformer2DModel, SD3Transformer2DModel
-    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, T5Config, T5EncoderModel
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, T5Config
+    from transformers import T5EncoderModel
 
     if tiny:
-        from tiny import _t5, _text_config, build_flux, build_sd3, tiny_vae
+        import tiny as toy_tiny
 
-        pipe = build_flux() if kind == "flux" else build_sd3()
-        text = [lambda: CLIPTextModel(_text_config(30, 32, 16)), lambda: _t5(30, 32)]
-        return (lambda: type(pipe.transformer)(**pipe.transformer.config)), text, tiny_vae
-    t5 = lambda: T5EncoderModel(T5Config(vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_layers=24,  # noqa: E731
-                                         num_heads=64, feed_forward_proj="gated-gelu"))
-    clip_l = lambda: CLIPTextModelWithProjection(CLIPTextConfig(hidden_size=768, intermediate_size=3072,  # noqa: E731
-                                                                num_hidden_layers=12, num_attention_heads=12, projection_dim=768))
-    clip_g = lambda: CLIPTextModelWithProjection(CLIPTextConfig(hidden_size=1280, intermediate_size=5120,  # noqa: E731
-                                                                num_hidden_layers=32, num_attention_heads=20,
-                                                                projection_dim=1280, hidden_act="gelu"))
-    vae = lambda: AutoencoderKL(down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,  # noqa: E731
-                                block_out_channels=(128, 256, 512, 512), layers_per_block=2, latent_channels=16,
-                                use_quant_conv=False, use_post_quant_conv=False)
+        pipe = toy_tiny.build_flux() if kind == "flux" else toy_tiny.build_sd3()
+        names = ["text_encoder", "text_encoder_2"] + (["text_encoder_3"] if kind == "sd3" else [])
+        texts = [functools.partial(type(getattr(pipe, n)), getattr(pipe, n).config) for n in names]
+        return (functools.partial(type(pipe.transformer).from_config, pipe.transformer.config), texts,
+                functools.partial(AutoencoderKL.from_config, pipe.vae.config))
+    t5 = functools.partial(T5EncoderModel, T5Config(
+        vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
+        feed_forward_proj="gated-gelu", decoder_start_token_id=0, **_bos_eos()))
+    clip_l = CLIPTextConfig(**_bos_eos(hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
+                                       num_attention_heads=12, projection_dim=768))
+    clip_g = CLIPTextConfig(**_bos_eos(hidden_size=1280, intermediate_size=5120, num_hidden_layers=32,
+                                       num_attention_heads=20, projection_dim=1280, hidden_act="gelu"))
+    vae = functools.partial(
+        AutoencoderKL, down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+        block_out_channels=(128, 256, 512, 512), layers_per_block=2, latent_channels=16, use_quant_conv=False,
+        use_post_quant_conv=False, scaling_factor=0.3611 if kind == "flux" else 1.5305,
+        shift_factor=0.1159 if kind == "flux" else 0.0609)
     if kind == "flux":
-        return (lambda: FluxTransformer2DModel(in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
-                                               num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768,
-                                               guidance_embeds=True, axes_dims_rope=(16, 56, 56))), [clip_l, t5], vae
-    return (lambda: SD3Transformer2DModel(sample_size=128, patch_size=2, in_channels=16, num_layers=24, attention_head_dim=64,
-                                          num_attention_heads=24, joint_attention_dim=4096, caption_projection_dim=1536,
-                                          pooled_projection_dim=2048, out_channels=16, pos_embed_max_size=384,
-                                          dual_attention_layers=tuple(range(13)), qk_norm="rms_norm")), [clip_l, clip_g, t5], vae
+        transformer = functools.partial(
+            FluxTransformer2DModel, in_channels=64, num_layers=19, num_single_layers=38,
+            attention_head_dim=128, num_attention_heads=24, joint_attention_dim=4096,
+            pooled_projection_dim=768, guidance_embeds=True, axes_dims_rope=(16, 56, 56))
+        return transformer, [functools.partial(CLIPTextModel, clip_l), t5], vae
+    transformer = functools.partial(
+        SD3Transformer2DModel, sample_size=128, patch_size=2, in_channels=16, num_layers=24,
+        attention_head_dim=64, num_attention_heads=24, joint_attention_dim=4096, caption_projection_dim=1536,
+        pooled_projection_dim=2048, out_channels=16, pos_embed_max_size=384,
+        dual_attention_layers=tuple(range(13)), qk_norm="rms_norm")
+    texts = [functools.partial(CLIPTextModelWithProjection, c) for c in (clip_l, clip_g)]
+    return transformer, texts + [t5], vae
 
 
-def reward_model(name: str, tiny: bool):
-    """(constructor, image size) of a reward: open_clip ViT-H-14 (HPS at 224, DFN5B CLIP at 384) or PickScore's CLIP-H."""
-    if tiny or name.startswith("toy") or name == "jpeg":
-        return None, 0
+def scheduler_config(kind: str) -> dict:
+    """The released schedulers' configs (FlowMatchEulerDiscreteScheduler): FLUX.1-dev shifts dynamically."""
+    if kind == "flux":
+        return dict(shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
+                    base_image_seq_len=256, max_image_seq_len=4096)
+    return dict(shift=3.0)
+
+
+OPENAI_MEAN, OPENAI_STD = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)
+IMAGEREWARD_HEAD = (1024, 128, 64, 16, 1)  # the MLP after BERT's [CLS] feature (768 -> ... -> 1)
+
+
+def reward_spec(name: str, tiny: bool):
+    """The architecture of a learned reward model (None for jpeg and the toy world's): family, configs, input
+    size. hps: open_clip ViT-H-14 at 224 (HPS-v2.1); clip: ViT-H-14 at 384 (DFN5B, quick GELU); pickscore:
+    transformers CLIP-H/14; imagereward: BLIP ViT-L/16 at 224 (24 x 1024, 16 heads) and BERT-base with
+    cross-attention (768, 12 layers, encoder width 1024), MLP head; aesthetic: openai CLIP ViT-L/14
+    (24 x 1024, patch 14, 224 px, projection 768), MLP head."""
+    if name not in REWARD_TABLE:
+        return None
+    small = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)  # tiny
+    if name in ("hps", "clip"):
+        if tiny:
+            config = {"embed_dim": 16, "vision_cfg": {"image_size": 32, "layers": 1, "width": 32,
+                                                      "patch_size": 8, "head_width": 16},
+                      "text_cfg": {"context_length": 77, "vocab_size": 49408, "width": 32, "heads": 2,
+                                   "layers": 1}}
+        else:
+            import open_clip
+
+            config = copy.deepcopy(open_clip.get_model_config("ViT-H-14"))
+            if name == "clip":
+                config["vision_cfg"]["image_size"], config["quick_gelu"] = 384, True
+        return {"family": "open_clip", "config": config, "size": config["vision_cfg"]["image_size"],
+                "pad_square": name == "hps", "text_length": 77}
     if name == "pickscore":
-        from transformers import CLIPConfig, CLIPModel
+        text = small if tiny else dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24,
+                                       num_attention_heads=16, hidden_act="gelu")
+        vision = dict(small, patch_size=8, image_size=32) if tiny else dict(
+            hidden_size=1280, intermediate_size=5120, num_hidden_layers=32, num_attention_heads=16,
+            patch_size=14, image_size=224, hidden_act="gelu")
+        return {"family": "clip", "text": _bos_eos(**text), "vision": vision, "size": vision["image_size"],
+                "projection_dim": 16 if tiny else 1024, "text_length": 77}
+    if name == "aesthetic":
+        text = small if tiny else dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
+                                       num_attention_heads=12)
+        vision = dict(small, patch_size=8, image_size=32) if tiny else dict(
+            hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
+            patch_size=14, image_size=224)
+        return {"family": "clip_vision", "text": _bos_eos(**text), "vision": vision,
+                "size": vision["image_size"], "projection_dim": 16 if tiny else 768, "head": IMAGEREWARD_HEAD,
+                "text_length": 77}
+    if tiny:
+        vision = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, patch_size=16,
+                      image_size=32)
+        med = dict(small, vocab_size=64, num_hidden_layers=2, max_position_embeddings=64, bos_token_id=62,
+                   sep_token_id=3)
+    else:
+        vision = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, patch_size=16,
+                      image_size=224)
+        med = dict(vocab_size=30524, hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
+                   num_attention_heads=12, max_position_embeddings=512)
+    vision.update(num_attention_heads=vision["hidden_size"] // 64, hidden_act="gelu", layer_norm_eps=1e-6)
+    med.update(hidden_act="gelu", layer_norm_eps=1e-12, pad_token_id=0, encoder_width=vision["hidden_size"])
+    return {"family": "blip", "vision": vision, "med": med, "head": IMAGEREWARD_HEAD,
+            "size": vision["image_size"], "text_length": 35}
 
-        return lambda: CLIPModel(CLIPConfig(text_config=dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24,
-                                                             num_attention_heads=16), projection_dim=1024,
-                                            vision_config=dict(hidden_size=1280, intermediate_size=5120,
-                                                               num_hidden_layers=32, num_attention_heads=16,
-                                                               patch_size=14))), 224
-    import open_clip
 
-    size = 224 if name == "hps" else 384
-    return lambda: open_clip.create_model("ViT-H-14", pretrained=None, force_image_size=size, device="meta"), size
+class RewardTowers(torch.nn.Module):
+    """A reward model as rewards.py holds it on the GPU: the towers in `dtype`, every projection, scale and
+    head in float32; forward(images in [0, 1], token ids) follows its score() (preprocessing included)."""
+
+    def __init__(self, spec: dict, dtype):
+        super().__init__()
+        self.spec, self.dtype, self.family = spec, dtype, spec["family"]
+        if self.family == "open_clip":
+            import open_clip
+
+            model = open_clip.CLIP(**spec["config"])
+            self.heads = torch.nn.ParameterList()  # rewards.float32_head: the projections out, in float32
+            for owner, attr in ((model.visual, "proj"), (model, "text_projection")):
+                weight = getattr(owner, attr).detach().float()
+                self.heads.append(torch.nn.Parameter(weight, requires_grad=False))
+                setattr(owner, attr, None)
+            self.towers = model.to(dtype)
+        elif self.family in ("clip", "clip_vision"):
+            from transformers import CLIPConfig, CLIPModel, CLIPVisionConfig, CLIPVisionModel
+
+            if self.family == "clip":
+                model = CLIPModel(CLIPConfig(text_config=spec["text"], vision_config=spec["vision"],
+                                             projection_dim=spec["projection_dim"]))
+                self.towers = torch.nn.ModuleList([model.vision_model.to(dtype), model.text_model.to(dtype)])
+                self.heads = torch.nn.ModuleList([model.visual_projection, model.text_projection])
+                self.scale = torch.nn.Parameter(model.logit_scale.detach().float(), requires_grad=False)
+            else:  # rewards.aesthetic_reward moves only the vision tower and its projection to the GPU
+                vision = CLIPVisionModel(CLIPVisionConfig(**spec["vision"]))
+                vision = getattr(vision, "vision_model", vision)  # transformers < 5 wraps the transformer
+                self.towers = torch.nn.ModuleList([vision.to(dtype)])
+                self.heads = torch.nn.ModuleList([
+                    torch.nn.Linear(spec["vision"]["hidden_size"], spec["projection_dim"], bias=False),
+                    self.mlp(spec["projection_dim"], spec["head"])])
+        else:
+            from transformers import BlipTextConfig, BlipTextModel, BlipVisionConfig, BlipVisionModel
+
+            med = {k: v for k, v in spec["med"].items() if k != "encoder_width"}
+            vision = BlipVisionModel(BlipVisionConfig(**spec["vision"]))
+            text = BlipTextModel(BlipTextConfig(**med, encoder_hidden_size=spec["med"]["encoder_width"],
+                                                is_decoder=True), add_pooling_layer=False)
+            self.towers = torch.nn.ModuleList([vision.to(dtype), text.to(dtype)])
+            self.heads = torch.nn.ModuleList([self.mlp(med["hidden_size"], spec["head"])])
+        self.requires_grad_(False).eval()
+
+    @staticmethod
+    def mlp(width: int, sizes) -> torch.nn.Sequential:
+        dims = (width, *sizes)
+        return torch.nn.Sequential(*[torch.nn.Linear(a, b) for a, b in zip(dims, dims[1:])])
+
+    def forward(self, images, ids):
+        import rewards
+
+        normalize = torch.nn.functional.normalize
+        s = self.spec
+        x = rewards._clip_preprocess(images, s["size"], OPENAI_MEAN, OPENAI_STD, s.get("pad_square", False))
+        x = x.to(self.dtype)
+        if self.family == "open_clip":
+            img = normalize(self.towers.encode_image(x).float() @ self.heads[0], dim=-1)
+            txt = normalize(self.towers.encode_text(ids).float() @ self.heads[1], dim=-1)
+            return (img * txt).sum(-1)
+        if self.family == "clip":
+            vision, text = self.towers
+            img = normalize(self.heads[0](vision(pixel_values=x).pooler_output.float()), dim=-1)
+            txt = text(input_ids=ids, attention_mask=ids > 0).pooler_output.float()
+            txt = normalize(self.heads[1](txt), dim=-1)
+            return self.scale.exp() * (img * txt).sum(-1) / 26
+        if self.family == "clip_vision":
+            embedding = self.heads[0](self.towers[0](pixel_values=x).pooler_output.float())
+            return self.heads[1](normalize(embedding, dim=-1)).squeeze(-1)
+        vision, text = self.towers
+        image_tokens = vision(pixel_values=x).last_hidden_state
+        cls = text(input_ids=ids, attention_mask=torch.ones_like(ids), encoder_hidden_states=image_tokens,
+                   is_decoder=False).last_hidden_state[:, 0]
+        return self.heads[0](cls.float()).squeeze(-1)
 
 
-# ---------------------------------------------------------------- one command
+def reward_model(name: str, tiny: bool, dtype=torch.bfloat16):
+    """A constructor of the reward's RewardTowers (towers in `dtype`, heads in float32), or None."""
+    spec = reward_spec(name, tiny)
+    return None if spec is None else functools.partial(RewardTowers, spec, dtype)
+
+
+# ---------------------------------------------------------------- fake-tensor plumbing
 class Sigmas(list):
-    """A schedule for fake-tensor runs: Python floats for one index (the SDE's coefficients), a tensor for a list of
-    indices (ode_complete); indexing a real tensor under FakeTensorMode would give a fake one."""
+    """A schedule for fake-tensor runs: Python floats for one index (the SDE's coefficients), a tensor for a
+    list of indices (ode_complete); indexing a real tensor under FakeTensorMode would give a fake one."""
 
     def __getitem__(self, i):
-        return torch.tensor([list.__getitem__(self, j) for j in i]) if isinstance(i, list) else list.__getitem__(self, i)
+        if isinstance(i, list):
+            return torch.tensor([list.__getitem__(self, j) for j in i])
+        return list.__getitem__(self, i)
 
 
 def nbytes(*objs) -> int:
-    """Bytes of the distinct storages behind modules' parameters and buffers, optimizers' states and tensors."""
+    """Bytes of the distinct storages behind modules' parameters and buffers, optimizers' states, tensors."""
     seen, total = set(), 0
     for o in objs:
         if isinstance(o, torch.nn.Module):
@@ -133,113 +308,237 @@ def nbytes(*objs) -> int:
     return total
 
 
-UNDO = {  # each change of this project's memory work, undone alone: (what the code did before, how it is measured)
-    "bf16 compute weights": "FSDP2 gathered float32 weights (autocast then cast them per op) (measured)",
-    "activation checkpointing": "every block's activations kept for the backward pass (measured)",
-    "text encoders off the GPU": "T5 and CLIP resident on every GPU (added)",
-    "bf16 reward models": "reward models held in float32 (added)",
-    "decoding 4 at a time": "a whole micro-batch decoded at once (measured)",
-    "indexed embeddings": "DenseGRPO copied every prompt embedding per completion row (added)",
-    "sharded reference": "full fine-tuning's reference an unsharded copy on every GPU (added)",
-}
-
-
-def estimate(name, script, argv, world, tiny=False, undo=(), phases=None):
-    """One command's per-rank phases: {"peak": {phase: bytes}, "flops": {phase: FLOPs}, "bytes": resident parts, ...}.
-    `undo`: changes of UNDO to revert (measured ones); `phases`: run only these."""
-    import tyro
-    from torch._subclasses.fake_tensor import FakeTensorMode
+def _tracker():
     from torch.distributed._tools.mem_tracker import MemTracker
-    from torch.utils.flop_counter import FlopCounterMode
-
-    import common
 
     class Tracker(MemTracker):
-        """MemTracker's totals only: every live tensor given to track_external plus every storage the ops create (new
-        gradients included), without its per-module bookkeeping (which assumes trainable modules called once)."""
+        """MemTracker's totals only: every live tensor given to track_external plus every storage the ops
+        create (new gradients included), without its per-module bookkeeping (which assumes modules called
+        once)."""
 
         def _pre_fw_hook(self, *a):
             pass
 
         _post_fw_hook = _pre_bw_hook = _post_bw_hook = _pre_fw_hook
 
-    mod = importlib.import_module(script)
-    args = tyro.cli(mod.Args, args=argv.split())
-    if tiny:
-        args.resolution, args.max_sequence_length = 32, 16
-    mod.check_args(args, world)
-    kind, beta, nfe = ("flux" if "flux" in args.model else "sd3"), getattr(args, "beta", 0.0), mod.planned_nfe(args)
-    P, G, T = args.prompts_per_iteration // world, args.group_size, args.num_steps
-    mb, bf16, sharded = min(args.micro_batch, P * G), torch.bfloat16, args.full_finetune and world > 1
-    checkpointing = args.gradient_checkpointing and "activation checkpointing" not in undo
-    fp32_gathers = sharded and "bf16 compute weights" in undo  # the old policy: float32 weights gathered
-    make_t, text_cls, vae_cls = architectures(kind, tiny)
-    C, H, W = (4 if tiny else 16), args.resolution // (2 if tiny else 8), args.resolution // (2 if tiny else 8)
-    txt_dim, pooled_dim = ((32, 32) if kind == "flux" else (64, 64)) if tiny else (4096, 768 if kind == "flux" else 2048)
-    tokens, cfg = args.max_sequence_length + (0 if kind == "flux" else 77), kind == "sd3" and args.guidance > 1
-    out = {"name": name, "world": world, "args": args, "nfe": nfe, "P": P, "mb": mb, "script": script,
-           "tokens": tokens, "txt_dim": txt_dim, "cfg": cfg, "sharded": sharded, "checkpointing": args.gradient_checkpointing}
+    return Tracker()
 
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
-    mesh = None
-    if sharded:
-        from torch.distributed.device_mesh import init_device_mesh
+def measure(fn, live, flops=True):
+    """(peak bytes with `live` tensors / modules resident, FLOPs or None) of fn()."""
+    from torch.utils.flop_counter import FlopCounterMode
 
-        mesh = init_device_mesh("cpu", (world,))
-    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    fastpath = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(False)  # open_clip's nn.MultiheadAttention: fused, not counted
+    try:
+        tracker = _tracker()
+        tracker.track_external(*live)
+        with tracker:
+            fn()
+        peak = max(s["Total"] for s in tracker.get_tracker_snapshot("peak").values())
+        if not flops:
+            return peak, None
+        with FlopCounterMode(display=False) as counter:  # a pass of its own: it keeps tensors alive longer
+            fn()
+        return peak, counter.get_total_flops()
+    finally:
+        torch.backends.mha.set_fastpath_enabled(fastpath)
 
-    def build(make, dtype, prepare=lambda m: m):
-        """Build on the meta device (peft and .to() cannot handle fake parameters), then swap in fake CPU tensors."""
+
+class Builder:
+    """Modules built on the meta device (peft and .to() cannot handle fake parameters), then given fake CPU
+    tensors of the same shapes and dtypes."""
+
+    def __init__(self):
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        self.fake = FakeTensorMode(allow_non_fake_inputs=True)
+
+    def __call__(self, make, dtype=torch.float32, prepare=None):
         torch.set_default_dtype(dtype)
-        with torch.device("meta"):
-            module = prepare(make())
-        torch.set_default_dtype(torch.float32)
+        try:
+            with torch.device("meta"):
+                module = make()
+                if prepare is not None:
+                    module = prepare(module)
+        finally:
+            torch.set_default_dtype(torch.float32)
         memo = {}
-        with fake:
+        with self.fake:
             for m in module.modules():
                 for is_param, store in ((True, m._parameters), (False, m._buffers)):
                     for k, t in list(store.items()):
                         if t is not None:
                             if id(t) not in memo:  # tied weights stay tied
-                                f = fake.from_tensor(t).to("cpu")
-                                memo[id(t)] = torch.nn.Parameter(f, requires_grad=t.requires_grad) if is_param else f
+                                f = self.fake.from_tensor(t).to("cpu")
+                                if is_param:
+                                    f = torch.nn.Parameter(f, requires_grad=t.requires_grad)
+                                memo[id(t)] = f
                             store[k] = memo[id(t)]
         return module
 
+
+@contextlib.contextmanager
+def patched(owner, name: str, value):
+    """owner.<name> = value for the duration (restored afterwards)."""
+    old = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield value
+    finally:
+        setattr(owner, name, old)
+
+
+def fake_process_group(world: int):
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    hook = sys.excepthook  # each init wraps it once more ("[rank0]: [rank0]: ..." on every traceback line)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    sys.excepthook = hook
+
+
+def reward_forward(models: dict, images, n_text: int = 0):
+    """Every reward of `models` ({name: RewardTowers}) on `images` and as many prompts (token ids)."""
+    for m in models.values():
+        m(images, torch.ones(n_text or len(images), m.spec["text_length"], dtype=torch.long))
+
+
+def text_forward(texts, ids):
+    """The text encoders on token ids: CLIP's first max_position_embeddings tokens, T5 all of them."""
+    with torch.no_grad():
+        for m in texts:
+            clip = "CLIP" in type(m).__name__
+            m(input_ids=ids[:, :m.config.max_position_embeddings] if clip else ids)
+
+
+# ---------------------------------------------------------------- one command
+UNDO = {  # each change of this project's memory work, undone alone: what the code did before, how measured
+    "bf16 compute weights": "FSDP2 gathered float32 weights (autocast then cast them per op) (measured)",
+    "activation checkpointing": "every block's activations kept for the backward pass (measured)",
+    "text encoders off the GPU": "T5 and CLIP resident on every GPU (added)",
+    "bf16 reward models": "reward towers held in float32 (added)",
+    "decoding 4 at a time": "a whole micro-batch decoded at once (measured)",
+    "indexed embeddings": "DenseGRPO copied every prompt embedding per completion row (added)",
+    "sharded reference": "full fine-tuning's reference an unsharded copy on every GPU (added)",
+}
+
+
+def appends_unguarded(path: str, name: str, flag: str) -> bool:
+    """Whether the file at `path` calls <name>.append(...) outside every `if` whose test mentions `flag` (read
+    from its source with ast, so the estimate follows the file)."""
+    import ast
+
+    with open(path) as f:
+        tree = ast.parse(f.read())
+    found = []
+
+    def visit(node, guarded):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.Call) and ast.unparse(child.func) == f"{name}.append":
+                found.append(guarded)
+            test = isinstance(node, ast.If) and child in node.body and flag in ast.unparse(node.test)
+            inside = guarded or test
+            visit(child, inside)
+    visit(tree, False)
+    return any(not g for g in found)
+
+
+def keeps_sampler_velocities(script: str, args) -> bool:
+    """flow_grpo.py keeps every step's velocity for CoCA's x0 predictions (and, if it appends them unguarded,
+    whatever --credit); DenseGRPO for its completions' first step."""
+    if script == "densegrpo":
+        return True
+    if script != "flow_grpo":
+        return False
+    path = os.path.join(ROOT, "flow_grpo.py")
+    return args.credit == "coca" or appends_unguarded(path, "sampler_velocities", "credit")
+
+
+def rollout_steps(mod, script: str, args) -> dict:
+    """What the file's rollout stores: latents (incl. the noise), log-prob steps, sampler velocity steps."""
+    T = args.num_steps
+    if script == "mixgrpo":  # the ODE outside the window; Flash: fewer DPM-Solver++ steps after it
+        last = mod.window_steps(args, 0)[-1]
+        steps = last + mod.flash_points(args, last) if args.flash else T
+        return {"latents": steps + 1, "log_probs": last + 1 if args.flash else T, "velocities": 0}
+    velocities = T if keeps_sampler_velocities(script, args) else 0
+    return {"latents": T + 1, "log_probs": T, "velocities": velocities}
+
+
+def estimate(name, script, argv, world, tiny=False, undo=(), phases=None):
+    """One command's per-rank phases: {"peak": {phase: bytes}, "flops": {phase: FLOPs}, "bytes": resident
+    parts, ...}. `undo`: changes of UNDO to revert (measured ones); `phases`: run only these."""
+    import tyro
+
+    import common
+
+    mod = importlib.import_module(script)
+    args = tyro.cli(mod.Args, args=argv.split())
+    if tiny:
+        args.resolution, args.max_sequence_length = 32, 16
+    mod.check_args(args, world)
+    kind, beta, nfe = ("flux" if "flux" in args.model else "sd3"), args.beta, mod.planned_nfe(args)
+    P, G, T = args.prompts_per_iteration // world, args.group_size, args.num_steps
+    mb, bf16, sharded = min(args.micro_batch, P * G), torch.bfloat16, args.full_finetune and world > 1
+    checkpointing = args.gradient_checkpointing and "activation checkpointing" not in undo
+    fp32_gathers = sharded and "bf16 compute weights" in undo  # the old policy: float32 weights gathered
+    make_t, text_cls, vae_cls = architectures(kind, tiny)
+    f = 2 if tiny else 8
+    C, H, W, R = (4 if tiny else 16), args.resolution // f, args.resolution // f, args.resolution
+    if tiny:
+        txt_dim, pooled_dim = (32, 32) if kind == "flux" else (64, 64)
+    else:
+        txt_dim, pooled_dim = 4096, 768 if kind == "flux" else 2048
+    tokens = args.max_sequence_length + (0 if kind == "flux" else (16 if tiny else 77))
+    cfg = kind == "sd3" and args.guidance > 1
+    form = "dance" if script == "dancegrpo" else "flow_grpo"
+    steps = rollout_steps(mod, script, args)
+    out = {"name": name, "world": world, "args": args, "nfe": nfe, "P": P, "mb": mb, "script": script,
+           "tokens": tokens, "txt_dim": txt_dim, "cfg": cfg, "sharded": sharded, "kind": kind,
+           "checkpointing": args.gradient_checkpointing, "latent_bytes": C * H * W * 4, "steps": steps,
+           "undo": tuple(undo)}
+
+    fake_process_group(world)
+    build = Builder()
+    fake = build.fake
     t0 = time.time()
-    if sharded:  # as common.make_trainable: bf16 reference, float32 master shards, common.shard's FSDP2 policy
-        with fake:
+    if sharded:  # common.make_trainable itself: float32 master shards after sharding, common.shard's policy
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (world,))  # made outside fake mode: its rank map is data
+        with fake, patched(common, "shard", functools.partial(common.shard, mesh=mesh)):
             torch.set_default_dtype(bf16)
-            ref = make_t().requires_grad_(False) if beta > 0 else None
+            transformer = make_t().requires_grad_(False)
             torch.set_default_dtype(torch.float32)
-            transformer = make_t()
-            for m in [transformer] + ([ref] if ref is not None else []):
-                common.shard(m, None if fp32_gathers else bf16, mesh)
-            if checkpointing:
-                transformer.enable_gradient_checkpointing()
-        params = list(transformer.parameters())
+            params, ref = common.make_trainable(
+                transformer, kind, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha, full_finetune=True,
+                reference=beta > 0, sharded=True, compute_dtype=None if fp32_gathers else bf16,
+                checkpointing=checkpointing)
+        params = list(params.values())
     else:  # LoRA (or one GPU): bf16 frozen weights, float32 trainable ones, from common.make_trainable itself
         box = {}
 
         def prepare(t):
-            box["ref"] = common.make_trainable(t.requires_grad_(False), kind, args.lora_rank, args.lora_alpha,
-                                               args.full_finetune, beta > 0, False, bf16, checkpointing)[1]
+            box["ref"] = common.make_trainable(
+                t.requires_grad_(False), kind, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
+                full_finetune=args.full_finetune, reference=beta > 0, sharded=False, compute_dtype=bf16,
+                checkpointing=checkpointing)[1]
             return t
         transformer = build(make_t, bf16, prepare)
         params, ref = [p for p in transformer.parameters() if p.requires_grad], box["ref"]
         if ref is not None:
-            raise SystemExit("error: the estimator does not model one-GPU full fine-tuning with a KL (pass --beta 0)")
+            raise SystemExit("error: the estimator does not model one-GPU full fine-tuning with a KL "
+                             "(pass --beta 0)")
     vae = build(vae_cls, bf16).requires_grad_(False)
-    rewards = {r: reward_model(r, tiny) for r in dict.fromkeys(args.rewards + args.eval_rewards)}
-    rewards = {r: (build(m, bf16).requires_grad_(False).eval(), s) for r, (m, s) in rewards.items() if m is not None}
+    pipe = type("Pipe", (), {"vae": vae})()
+    loaded = {r: reward_model(r, tiny) for r in dict.fromkeys(args.rewards + args.eval_rewards)}
+    loaded = {r: build(m) for r, m in loaded.items() if m is not None}
+    trained_rewards = {r: m for r, m in loaded.items() if r in args.rewards}
     texts = [build(c, bf16).requires_grad_(False) for c in text_cls]
-    sigmas = Sigmas(common.sigma_schedule(T, 3.0).tolist())
-    n_params = sum(p.numel() for p in make_t().parameters()) if tiny else None
+    sigmas = Sigmas(common.shifted_sigmas(max(T, 2), shift=3.0).tolist())
     with fake:
         optimizer = torch.optim.AdamW(params, lr=1e-5)
         for p in params:  # Adam's states exist after the first step
@@ -247,133 +546,164 @@ def estimate(name, script, argv, world, tiny=False, undo=(), phases=None):
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         ema = [p.detach().float().clone() for p in params] if args.ema else []
-        resident = [transformer, vae, optimizer, *[m for m, _ in rewards.values()]] + ([ref] if ref is not None else []) + ema
+        resident = [transformer, vae, optimizer, *loaded.values()] + ([ref] if ref is not None else []) + ema
         trainable = nbytes(*params) if not sharded else nbytes(transformer)
+        reward_bytes = sum(nbytes(m) for m in loaded.values())
         out["bytes"] = {"frozen transformer (bf16)": nbytes(transformer) - trainable if not sharded else 0,
                         "trainable (float32)": trainable, "Adam states": nbytes(optimizer),
-                        "reference (bf16)": nbytes(ref) if ref is not None else 0, "EMA": nbytes(*ema), "VAE": nbytes(vae),
-                        "reward models (bf16)": sum(nbytes(m) for m, _ in rewards.values()),
+                        "reference (bf16)": nbytes(ref) if ref is not None else 0, "EMA": nbytes(*ema),
+                        "VAE": nbytes(vae), "reward models (bf16 towers)": reward_bytes,
                         "text encoders (on the CPU between encodings)": sum(nbytes(m) for m in texts)}
-        out["n_params"] = n_params or sum(p.numel() for p in (transformer.parameters() if not sharded else []))
-        if sharded:
-            out["n_params"] = sum(p.numel() for p in transformer.parameters())  # DTensors: the full sizes
-        emb = {"embeds": torch.randn(P, tokens, txt_dim, dtype=bf16), "pooled": torch.randn(P, pooled_dim, dtype=bf16)}
+        out["reward_fp32_bytes"] = sum(4 * sum(p.numel() for p in m.parameters()) for m in loaded.values())
+        out["n_params"] = sum(p.numel() for n, p in transformer.named_parameters() if "lora_" not in n)
+        emb = {"embeds": torch.randn(P, tokens, txt_dim, dtype=bf16),
+               "pooled": torch.randn(P, pooled_dim, dtype=bf16)}
         if cfg:
             emb.update(neg_embeds=emb["embeds"].clone(), neg_pooled=emb["pooled"].clone())
-        rows = torch.zeros(mb, dtype=torch.long)
+        rows = torch.zeros(max(mb, P * G), dtype=torch.long)
 
         def phase(label, fn, *live):
             if phases is not None and label not in phases:
                 return
-            tracker = Tracker()
-            tracker.track_external(*resident, *live)
-            with tracker:
-                fn()
-            out.setdefault("peak", {})[label] = max(s["Total"] for s in tracker.get_tracker_snapshot("peak").values())
-            if not undo:  # FLOPs in a pass of their own: FlopCounterMode keeps some tensors alive longer
-                with FlopCounterMode(display=False) as flops:
-                    fn()
-                out.setdefault("flops", {})[label] = flops.get_total_flops()
+            peak, flops = measure(fn, [*resident, *live], flops=not undo)
+            out.setdefault("peak", {})[label] = peak
+            if flops is not None:
+                out.setdefault("flops", {})[label] = flops
 
         # -------- encoding: the text encoders visit the GPU for the iteration's prompts (and CFG's negatives)
-        ids = torch.zeros(min(16, P) * (2 if cfg else 1), args.max_sequence_length, dtype=torch.long)  # 16 at a time
-
-        def encode():
-            with torch.no_grad():
-                for m in texts:
-                    m(input_ids=ids[:, :77] if "CLIP" in type(m).__name__ else ids)
-        phase("encode", encode, *texts)
+        ids = torch.zeros(min(16, P) * (2 if cfg else 1), args.max_sequence_length, dtype=torch.long)  # chunk
+        phase("encode", functools.partial(text_forward, texts, ids), *texts)
 
         # -------- rollout: what the file keeps for the whole iteration, then one of each kind of call
         L = len(getattr(args, "lambdas", (1,)))
-        full = lambda n: torch.zeros(n, 3, args.resolution, args.resolution)  # noqa: E731 (decoded images, float32)
-        if script == "g2rpo":  # the anchor's x_k (float32) and v(x_k) (bf16), post-SDE latents, the last k's x0 and images
-            kept = [torch.zeros(P, C, H, W) for _ in range(max(args.sde_steps) + 1)]
-            kept += [torch.zeros(P, C, H, W, dtype=bf16) for _ in range(max(args.sde_steps) + 1)]
-            kept += [torch.zeros(P * G, C, H, W) for _ in args.sde_steps] + [torch.zeros(L * P * G, C, H, W), full(L * P * G)]
-        else:  # every latent of every trajectory (float32); DenseGRPO: the sampler's velocities (bf16) and all x0
-            kept = [torch.zeros(P * G, C, H, W) for _ in range(T + 1)] + ([full(P * G)] if script == "flow_grpo" else [])
-            if script == "densegrpo":
-                kept += [torch.zeros(P * G, C, H, W, dtype=bf16) for _ in range(T)] + [torch.zeros((T + 1) * P * G, C, H, W)]
-        kept.append(torch.zeros(T, P * G))  # log-probs
-        scored = {"flow_grpo": P * G, "g2rpo": L * P * G}.get(script, mb)  # images per reward call, as the files score
+        N = P * G
+
+        def lat(n, dtype=torch.float32):
+            return torch.zeros(n, C, H, W, dtype=dtype)
+
+        def full(n):  # decoded images, float32
+            return torch.zeros(n, 3, R, R)
+
+        kept = list(emb.values())
+        if script == "g2rpo":  # the anchors' x_k (float32), v(x_k) (bf16), post-SDE latents, last x0, images
+            kept += [lat(P) for _ in range(max(args.sde_steps) + 1)]
+            kept += [lat(P, bf16) for _ in range(max(args.sde_steps) + 1)]
+            kept += [lat(N) for _ in args.sde_steps] + [torch.zeros(N) for _ in args.sde_steps]
+            kept += [lat(L * N), full(L * N)]
+        else:  # every latent of every trajectory (float32), the log-probs, the sampler's velocities (bf16)
+            kept += [lat(N) for _ in range(steps["latents"])]
+            kept += [torch.zeros(N) for _ in range(steps["log_probs"])]
+            kept += [lat(N, bf16) for _ in range(steps["velocities"])]
+            kept += [full(G if script == "densegrpo" else N)]  # DenseGRPO: one group's images, for logging
+            if script == "densegrpo":  # every completion's x0
+                kept += [lat((T + 1) * N)]
+        out["kept"] = nbytes(*kept)
+        scored = {"g2rpo": L * N, "densegrpo": mb}.get(script, N)  # images per reward call, as the files do
         out["scored"] = scored
-        x = torch.zeros(mb, C, H, W)
+        x = lat(mb)
 
         def rollout():
-            with torch.no_grad(), common.gathered(transformer, sharded):
-                common.velocity(transformer, kind, x, sigmas[1], common.select(emb, rows), args.guidance)
-                if script != "flow_grpo":  # the completions' buffers (one step: v_first given) and one more forward
-                    n = T * P * G if script == "densegrpo" else P * G
-                    reps = 1 if script == "densegrpo" else len(args.lambdas)
-                    start = torch.zeros(n, C, H, W)
-                    common.ode_complete(transformer, kind, start, [[0, 1]] * (n * reps), sigmas, emb, args.guidance, mb,
-                                        v_first=torch.zeros(n, C, H, W), emb_index=torch.zeros(n, dtype=torch.long))
-                    common.velocity(transformer, kind, x, sigmas[1], common.select(emb, rows), args.guidance)
+            with torch.no_grad(), common.gathered(transformer, sharded=sharded):
+                e = common.select(emb, rows[:mb])
+                if script in ("densegrpo", "g2rpo"):  # the completions' buffers (one step: v_first given)
+                    n = T * N if script == "densegrpo" else N
+                    reps = 1 if script == "densegrpo" else L
+                    common.ode_complete(transformer, kind, lat(n), [[0, 1]] * (n * reps), sigmas, emb,
+                                        guidance=args.guidance, micro_batch=mb, v_first=lat(n),
+                                        emb_index=torch.zeros(n, dtype=torch.long))
+                    common.velocity(transformer, kind, x, sigmas[1], e, guidance=args.guidance)
+                    return
+                step_buffers = []
+                if script == "dancegrpo":  # v = torch.empty_like(latents[i]) and the forwards' rows
+                    step_buffers += [lat(N), lat(N, bf16)]
+                elif script == "mixgrpo":  # v, x0 = x - sigma v, the solver's x0_prev (Flash: its update too)
+                    step_buffers += [lat(N, bf16), lat(N), lat(N)] + ([lat(N), lat(N)] if args.flash else [])
+                common.velocity(transformer, kind, x, sigmas[1], e, guidance=args.guidance)
+                del step_buffers
         phase("rollout", rollout, *kept)
 
         def decode():  # inside the rollout's gathered weights, as in the files
-            with torch.no_grad(), common.gathered(transformer, sharded):
+            with torch.no_grad(), common.gathered(transformer, sharded=sharded):
                 n = mb if "decoding 4 at a time" in undo else min(4, mb)
-                common.decode(type("Pipe", (), {"vae": vae})(), torch.zeros(n, C, H, W))
+                common.decode(pipe, lat(n))
         phase("decode", decode, *kept)
 
-        def reward_forward(n):
-            for m, size in rewards.values():
-                (m.encode_image if hasattr(m, "encode_image") else m.get_image_features)(
-                    torch.zeros(n, 3, size, size, dtype=bf16))
-
         def score():
-            with torch.no_grad(), common.gathered(transformer, sharded):
-                reward_forward(scored)
-        phase("rewards", score, full(scored), *kept)
+            with torch.no_grad(), common.gathered(transformer, sharded=sharded):
+                images = full(scored) if script == "densegrpo" else None  # decoded per micro-batch
+                reward_forward(trained_rewards, images if images is not None else full(scored))
+            if script == "flow_grpo" and args.credit == "coca":  # x0_hat_k = x_k - sigma_k v(x_k), the credit
+                x0_hats = torch.stack([lat(N) - 0.5 * lat(N, bf16) for _ in range(T)])
+                trained = int(T * args.timestep_fraction)
+                common.coca_credit(torch.ones(N), x0_hats, lat(N), window=args.coca_window,
+                                   alpha=args.coca_alpha, group_size=G, trained=trained)
+        phase("rewards", score, *kept)
 
-        # -------- training: one micro-batch forward + backward with the stored rollout, then the optimizer step
+        # -------- training: one micro-batch forward + backward with the stored rollout (the files' own lines)
         train_rows = mb if script != "g2rpo" else min(args.micro_batch, P)
 
         def train():
-            xt, nxt = torch.zeros(train_rows, C, H, W), torch.zeros(train_rows, C, H, W)
-            v = common.velocity(transformer, kind, xt, sigmas[1], common.select(emb, rows[:train_rows]), args.guidance)
-            _, log_prob, mean, std = common.sde_step(v, xt, sigmas, 1, args.noise_level, prev_sample=nxt)
-            kl = None
-            if beta > 0:
-                kl = common.reference_kl(ref or transformer, kind, xt, sigmas, 1, common.select(emb, rows[:train_rows]),
-                                         args.guidance, args.noise_level, nxt, "flow_grpo", mean, std, ref is None)
-            loss, _, _ = common.clipped_policy_loss(log_prob, log_prob.detach(), torch.ones(train_rows), 1e-4, kl, beta)
-            loss.backward()
+            j = 1  # a trained step: noise > 0
+            adv, old_log_probs = torch.ones(mb if script != "g2rpo" else train_rows * G), torch.zeros(mb)
+            e = common.select(emb, rows[:train_rows])
+            xt = lat(train_rows)
+            v = common.velocity(transformer, kind, xt, sigmas[j], e, guidance=args.guidance)
+            if script == "g2rpo":  # each member reuses its prompt's v(x_k)
+                members = torch.zeros(train_rows * G, dtype=torch.long)
+                v, xt, old_log_probs = v[members], xt[members], torch.zeros(len(members))
+            _, log_prob, mean, std = common.sde_step(v, xt, sigmas, j, args.noise_level,
+                                                     prev_sample=lat(len(xt)), form=form)
+            ratio = torch.exp(log_prob - old_log_probs)
+            clipped_ratio = ratio.clamp(1 - args.clip_range, 1 + args.clip_range)
+            policy_loss = torch.max(-adv * ratio, -adv * clipped_ratio).mean()
+            kl = torch.zeros_like(policy_loss)
+            if beta > 0:  # the KL of the step means (Flow-GRPO's code)
+                with torch.no_grad(), common.as_reference(transformer, ref) as reference:
+                    v_ref = common.velocity(reference, kind, lat(train_rows), sigmas[j], e, guidance=args.guidance)
+                if script == "g2rpo":
+                    v_ref = v_ref[members]
+                mean_ref, _, _ = common.sde_mean_std(v_ref, xt, sigmas, j, args.noise_level, form=form)
+                step = float(sigmas[j] - sigmas[j + 1])  # |dt|
+                kl_var = std**2 if args.kl_form == "exact" else std**2 / step
+                kl = ((mean - mean_ref) ** 2).mean(dim=(1, 2, 3)).mean() / (2 * kl_var)
+            loss = policy_loss + beta * kl
+            (loss * len(xt) / (len(xt) * 4)).backward()
         phase("training step", train, *kept)
 
         def step():
             for p in params:
                 p.grad = torch.zeros_like(p)
+            # common.optimizer_step's clip_grad_norm_, on the local shards: DTensor's foreach path under
+            # FakeTensorMode makes whole tensors that a real run never makes (measured on real tensors: none)
+            grads = [p.grad._local_tensor if hasattr(p.grad, "_local_tensor") else p.grad for p in params]
+            norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
+            torch._foreach_mul_(grads, (args.max_grad_norm / (norm + 1e-6)).clamp(max=1.0))
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         phase("optimizer step", step, *kept)
 
-        # -------- evaluation: this rank's eval pairs, encoded together, ODE in micro-batches, scored together
-        n_eval = args.eval_num // world
-
+        # -------- evaluation: common.evaluate_policy on this rank's pairs: encoded 16 at a time, the ODE in
+        # micro-batches with gathered weights, decoded per micro-batch (4 at a time), every image scored at
+        # once
+        n_eval = -(-args.eval_num // world)  # equal shares, the last ranks repeating the last pair
         e_ids = torch.zeros(min(16, n_eval) * (2 if cfg else 1), args.max_sequence_length, dtype=torch.long)
-
-        def eval_encode():  # this rank's evaluation prompts, 16 at a time (common.encode_prompts), before any gathering
-            with torch.no_grad():
-                for m in texts:
-                    m(input_ids=e_ids[:, :77] if "CLIP" in type(m).__name__ else e_ids)
-        phase("evaluation encode", eval_encode, *texts)
+        phase("evaluation encode", functools.partial(text_forward, texts, e_ids), *texts)
         e_emb = {k: torch.zeros(n_eval, *v.shape[1:], dtype=v.dtype) for k, v in emb.items()}
+        eval_mb = min(args.micro_batch, n_eval)
 
-        def evaluate():  # the ODE in micro-batches with gathered weights, then decoding and scoring every image at once
-            latents, eval_mb = torch.zeros(n_eval, C, H, W), min(args.micro_batch, n_eval)
-            with torch.no_grad(), common.gathered(transformer, sharded):
-                common.velocity(transformer, kind, latents[:eval_mb], sigmas[1], common.select(e_emb, rows[:1].expand(eval_mb)),
-                                args.guidance)
+        def evaluate():
+            noise = lat(n_eval)
+            with torch.no_grad(), common.gathered(transformer, sharded=sharded):  # v_first given: one forward
+                paths = [[0, 1, 2]] * eval_mb + [[0, 1]] * (n_eval - eval_mb)
+                x0 = common.ode_complete(transformer, kind, noise, paths, sigmas, e_emb,
+                                         guidance=args.guidance, micro_batch=eval_mb, v_first=lat(n_eval),
+                                         emb_index=torch.zeros(n_eval, dtype=torch.long))
             with torch.no_grad():
-                images = torch.zeros(n_eval, 3, args.resolution, args.resolution)
-                common.decode(type("Pipe", (), {"vae": vae})(), torch.zeros(min(4, eval_mb), C, H, W))
-                reward_forward(n_eval)
-                del images
+                images = full(n_eval)
+                common.decode(pipe, lat(min(4, eval_mb)))
+                reward_forward(loaded, images)
+                del images, x0
         phase("evaluation", evaluate, *e_emb.values())
-    dist.destroy_process_group()
     out["seconds_to_estimate"] = time.time() - t0
     return out
 
@@ -386,65 +716,164 @@ def peak(e, undo=()):
         if "text encoders off the GPU" in undo and k not in ("encode", "evaluation encode"):
             add[k] += b["text encoders (on the CPU between encodings)"]
         if "bf16 reward models" in undo:
-            add[k] += b["reward models (bf16)"]
+            add[k] += e["reward_fp32_bytes"] - b["reward models (bf16 towers)"]
         if "indexed embeddings" in undo and e["script"] == "densegrpo" and k == "rollout":
-            add[k] += (a.num_steps * e["P"] * a.group_size * e["tokens"] * e["txt_dim"] * 2) * (2 if e["cfg"] else 1)
+            copies = a.num_steps * e["P"] * a.group_size * (2 if e["cfg"] else 1)
+            add[k] += copies * e["tokens"] * e["txt_dim"] * 2
         if "sharded reference" in undo and b["reference (bf16)"]:
             add[k] += b["reference (bf16)"] * (e["world"] - 1)
     return max(v + add[k] for k, v in e["peak"].items()) / GIB
 
 
+def peak_phase(e) -> str:
+    return max(e["peak"], key=e["peak"].get)
+
+
 def per_iteration(e):
-    """FLOPs per rank and iteration (evaluation not included) from the measured calls and the file's closed-form NFE."""
-    a, P, fl, mb = e["args"], e["P"], e["flops"], e["mb"]
-    fwd = fl["rollout"] / (mb * (1 if e["script"] == "flow_grpo" else 2))  # per sample (a CFG pair counts once)
+    """FLOPs per rank and iteration (evaluation not included) from the measured calls and the file's
+    closed-form NFE."""
+    a, P, fl, mb, script = e["args"], e["P"], e["flops"], e["mb"], e["script"]
+    fwd = fl["rollout"] / mb  # per sample (a CFG pair counts once)
     reward = fl["rewards"] / e["scored"]
-    train = fl["training step"] / (mb if e["script"] != "g2rpo" else min(a.micro_batch, P))  # incl. the reference's
-    images = P * a.group_size * {"flow_grpo": 1, "densegrpo": a.num_steps + 1}.get(
-        e["script"], len(getattr(a, "lambdas", ())) * len(getattr(a, "sde_steps", ())))
+    train = fl["training step"] / (mb if script != "g2rpo" else min(a.micro_batch, P))  # with the reference
+    images = P * a.group_size * {"densegrpo": a.num_steps + 1}.get(
+        script, len(getattr(a, "lambdas", ())) * len(getattr(a, "sde_steps", ())) if script == "g2rpo" else 1)
     decoded = mb if "decoding 4 at a time" in e.get("undo", ()) else min(4, mb)
     return (fl["encode"] + P * (e["nfe"]["rollout"] * fwd + e["nfe"]["train"] * train)
             + images * (fl["decode"] / decoded + reward))
 
 
+def seconds(flops, gpu: str) -> float:
+    return flops / (PEAK_TFLOPS[gpu] * 1e12 * MFU)
+
+
 def startup(e, before=False):
-    """GiB on a GPU while the model loads: the bf16 transformer (and a bf16 reference copy) before sharding; the old
-    code converted to float32 first, so a whole float32 model sat on every GPU."""
+    """GiB on a GPU while the model loads: the bf16 transformer (and a bf16 reference copy) before sharding;
+    the old code converted to float32 first, so a whole float32 model sat on every GPU."""
     if not e["sharded"]:
         return None
     n, ref = e["n_params"], e["bytes"]["reference (bf16)"] > 0  # the VAE and reward models are already loaded
-    return (n * ((4 if before else 2) + 2 * ref) + e["bytes"]["VAE"] + e["bytes"]["reward models (bf16)"]) / GIB
+    loaded = e["bytes"]["VAE"] + e["bytes"]["reward models (bf16 towers)"]
+    return (n * ((4 if before else 2) + 2 * ref) + loaded) / GIB
 
 
-def report(estimates, path, seconds):
-    lines = ["# Estimated per-GPU memory and compute of the README's command lines", "",
-             f"Made by `python results/estimate.py` ({seconds / 60:.0f} minutes on a 2-core CPU; fake tensors, see its "
-             "docstring for what is and is not modelled). GiB per GPU: the resident state (trainable weights, Adam "
-             "states, frozen weights, reference, VAE, reward models; this rank's shards under FSDP2) plus each phase's "
-             "transient memory (activations, gathered weights, stored rollout tensors). The 80 GB cards need the peak at "
-             "or below 70 GiB, which leaves room for the allocator's fragmentation and the CUDA context.", "",
-             "| command | GPUs | resident | encode | rollout | decode | rewards | training step | optimizer step | "
-             "evaluation encode | evaluation | **peak** | start-up | TFLOP / rank / iteration | seconds / iteration, A100 / "
-             "H100 at 40% MFU | A100-hours / iteration |", "|---|" + "---|" * 15]
+# ---------------------------------------------------------------- the reward models alone, evaluate.py
+def reward_models(tiny=False, names=REWARD_TABLE, batch=REWARD_BATCH):
+    """{name: {"bf16"/"float32": {"resident": bytes, "peak": bytes, "flops": FLOPs}, "size": px}}: each model
+    resident and one forward of `batch` images (at its input size) and prompts."""
+    build, out = Builder(), {}
+    for name in names:
+        out[name] = {"size": reward_spec(name, tiny)["size"]}
+        for label, dtype in (("bf16", torch.bfloat16), ("float32", torch.float32)):
+            m = build(reward_model(name, tiny, dtype))
+            with build.fake:
+                size = m.spec["size"]
+
+                def forward():
+                    with torch.no_grad():
+                        reward_forward({name: m}, torch.zeros(batch, 3, size, size))
+                pk, flops = measure(forward, [m])
+            out[name][label] = {"resident": nbytes(m), "peak": pk, "flops": flops,
+                                "params": sum(p.numel() for p in m.parameters())}
+    return out
+
+
+def estimate_evaluate(spec=EVALUATE, tiny=False):
+    """evaluate.py's evaluation on one of spec["world"] GPUs, as common.evaluate_policy runs it: this rank's
+    prompts encoded `chunk` at a time, the ODE in micro-batches with the bf16 transformer (no adapters),
+    decoded 4 at a time per micro-batch, every image scored at once by each reward in float32."""
+    import common
+
+    kind, world, n = spec["kind"], spec["world"], spec["prompts"] // spec["world"]
+    res = 32 if tiny else spec["resolution"]
+    seq = 16 if tiny else spec["max_sequence_length"]
+    f = 2 if tiny else 8
+    C, H, mb, bf16 = (4 if tiny else 16), res // f, min(spec["micro_batch"], n), torch.bfloat16
+    txt_dim, pooled_dim = (32, 32) if tiny else (4096, 768)
+    make_t, text_cls, vae_cls = architectures(kind, tiny)
+    build = Builder()
+    transformer = build(make_t, bf16).requires_grad_(False)
+    vae = build(vae_cls, bf16).requires_grad_(False)
+    pipe = type("Pipe", (), {"vae": vae})()
+    scorers = {r: build(reward_model(r, tiny, torch.float32)) for r in spec["rewards"]}
+    texts = [build(c, bf16).requires_grad_(False) for c in text_cls]
+    sigmas = Sigmas(common.shifted_sigmas(spec["steps"], shift=3.0).tolist())
+    out = {"name": spec["name"], "world": world, "n": n, "peak": {}, "flops": {},
+           "bytes": {"transformer (bf16)": nbytes(transformer), "VAE": nbytes(vae),
+                     "reward models (float32)": sum(nbytes(m) for m in scorers.values()),
+                     "text encoders (on the CPU between encodings)": sum(nbytes(m) for m in texts)}}
+    resident = [transformer, vae, *scorers.values()]
+    with build.fake:
+        emb = {"embeds": torch.zeros(n, seq, txt_dim, dtype=bf16),
+               "pooled": torch.zeros(n, pooled_dim, dtype=bf16)}
+        noise = torch.zeros(n, C, H, H)
+        ids = torch.zeros(min(spec["chunk"], n), seq, dtype=torch.long)
+        out["peak"]["encode"], out["flops"]["encode"] = measure(functools.partial(text_forward, texts, ids),
+                                                               [*resident, *texts, noise, *emb.values()])
+
+        def ode():
+            with torch.no_grad():
+                paths = [[0, 1, 2]] * mb + [[0, 1]] * (n - mb)  # v_first given: one forward of a micro-batch
+                common.ode_complete(transformer, kind, noise, paths, sigmas, emb, guidance=spec["guidance"],
+                                    micro_batch=mb, v_first=torch.zeros(n, C, H, H),
+                                    emb_index=torch.zeros(n, dtype=torch.long))
+        out["peak"]["ODE"], out["flops"]["ODE"] = measure(ode, [*resident, noise, *emb.values()])
+        x0, images = torch.zeros(n, C, H, H), torch.zeros(n, 3, res, res)
+
+        def decode():
+            common.decode(pipe, torch.zeros(min(spec["decode_batch"], mb), C, H, H))
+        live = [*resident, x0, images, *emb.values()]
+        out["peak"]["decode"], out["flops"]["decode"] = measure(decode, live)
+
+        def score():
+            with torch.no_grad():
+                reward_forward(scorers, images)
+        out["peak"]["rewards"], out["flops"]["rewards"] = measure(score, [*resident, images])
+    fl = out["flops"]
+    out["total_flops"] = (fl["encode"] * n / len(ids) + n * spec["steps"] * fl["ODE"] / mb
+                          + n * fl["decode"] / min(spec["decode_batch"], mb) + fl["rewards"])
+    out["nfe"] = n * spec["steps"]
+    return out
+
+
+# ---------------------------------------------------------------- the report
+def report(estimates, path, seconds_taken, rewards_table=None, evaluation=None):
+    gpus = ("A100", "H100")
+    lines = [
+        "# Estimated per-GPU memory and compute of the README's command lines", "",
+        f"Made by `python results/estimate.py` ({seconds_taken / 60:.0f} minutes on a 2-core CPU; fake "
+        "see its docstring for what is and is not modelled). GiB per GPU: the resident state (trainable "
+        "Adam states, frozen weights, reference, VAE, reward models; this rank's shards under FSDP2) plus "
+        "phase's transient memory (activations, gathered weights, stored rollout tensors). The 80 GB cards "
+        "the peak at or below 70 GiB, which leaves room for the allocator's fragmentation and the CUDA "
+        f"context. Seconds at {MFU:.0%} of the bf16 peak (evaluation not included).", "",
+        "| command | GPUs | resident | " + " | ".join(PHASES) + " | **peak** | peak phase | rollout kept | "
+        "start-up | planned NFE per prompt (rollout / train / reference) | TFLOP / rank / iteration | "
+        f"seconds / iteration, A100 / H100 at {MFU:.0%} MFU | A100-hours / iteration |",
+        "|---|" + "---|" * (len(PHASES) + 11)]
     for e in estimates:
         res = sum(v for k, v in e["bytes"].items() if not k.startswith("text"))
-        pk, tf = e["peak"], per_iteration(e) / 1e12
-        up = startup(e)
-        lines.append(f"| {e['name']} | {e['world']} | {res / GIB:.1f} | " + " | ".join(f"{pk[k] / GIB:.1f}" for k in (
-            "encode", "rollout", "decode", "rewards", "training step", "optimizer step", "evaluation encode", "evaluation"))
-            + f" | **{peak(e):.1f}** | {'-' if up is None else f'{up:.1f}'} | {tf:,.0f} | "
-            + " / ".join(f"{tf / (PEAK_TFLOPS[g] * 0.4):,.0f}" for g in ("A100", "H100"))
-            + f" | {tf * e['world'] / (PEAK_TFLOPS['A100'] * 0.4) / 3600:.2f} |")
-    lines += ["", "## Resident state per GPU (GiB)", "", "| command | " + " | ".join(estimates[0]["bytes"]) + " |",
-              "|---|" + "---|" * len(estimates[0]["bytes"])]
+        flops, up, n = per_iteration(e), startup(e), e["nfe"]
+        cells = [e["name"], e["world"], f"{res / GIB:.1f}", *(f"{e['peak'][k] / GIB:.1f}" for k in PHASES),
+                 f"**{peak(e):.1f}**", peak_phase(e), f"{e['kept'] / GIB:.2f}",
+                 "-" if up is None else f"{up:.1f}",
+                 f"{n['rollout']} / {n['train']} / {n['reference']}", f"{flops / 1e12:,.0f}",
+                 " / ".join(f"{seconds(flops, g):,.0f}" for g in gpus),
+                 f"{seconds(flops, 'A100') * e['world'] / 3600:.2f}"]
+        lines.append("| " + " | ".join(map(str, cells)) + " |")
+    parts = list(estimates[0]["bytes"])
+    lines += ["", "## Resident state per GPU (GiB)", "", "| command | " + " | ".join(parts) + " |",
+              "|---|" + "---|" * len(parts)]
     for e in estimates:
         lines.append(f"| {e['name']} | " + " | ".join(f"{v / GIB:.2f}" for v in e["bytes"].values()) + " |")
-    lines += ["", "## Each change undone alone: the peak per GPU (GiB) with the code as it was before", "",
-              "Measured: the phases re-run with the old behaviour; added: the part put back on top. Start-up: the "
-              "float32 conversion before sharding. Rollout all-gathers: what one rank receives per iteration for the "
-              "rollout's forwards (weights gathered once, in bf16, against float32 weights re-gathered at every "
-              "forward).", "", "| command | now | " + " | ".join(UNDO) + " | start-up before -> now | rollout all-gathers "
-              "per iteration, before -> now |", "|---|---|" + "---|" * (len(UNDO) + 2)]
+    lines += [
+        "", "## Each change undone alone: the peak per GPU (GiB) with the code as it was before", "",
+        "Measured: the phases re-run with the old behaviour; added: the part put back on top. Start-up: the "
+        "float32 conversion before sharding. Rollout all-gathers: what one rank receives per iteration for "
+        "the rollout's forwards (weights gathered once, in bf16, against float32 weights re-gathered at "
+        "every forward).", "",
+        "| command | now | " + " | ".join(UNDO) + " | start-up before -> now | rollout all-gathers per "
+        "iteration, before -> now |", "|---|---|" + "---|" * (len(UNDO) + 2)]
     for e in estimates:
         cells = []
         for change in UNDO:
@@ -452,17 +881,62 @@ def report(estimates, path, seconds):
             cells.append("n/a" if b is None else f"{b:.1f}")
         up = startup(e)
         calls = math.ceil(e["nfe"]["rollout"] * e["P"] / e["mb"])
-        gathers = (f"{calls * 4 * e['n_params'] / GIB:,.0f} GiB -> {2 * e['n_params'] / GIB:.0f} GiB" if e["sharded"]
-                   else "none (LoRA: weights replicated)")
+        before, now = calls * 4 * e["n_params"] / GIB, 2 * e["n_params"] / GIB
+        gathers = f"{before:,.0f} GiB -> {now:.0f} GiB" if e["sharded"] else "none (LoRA: weights replicated)"
         lines.append(f"| {e['name']} | {peak(e):.1f} | " + " | ".join(cells) + " | "
                      + ("-" if up is None else f"{startup(e, True):.1f} -> {up:.1f}") + f" | {gathers} |")
+    if rewards_table:
+        lines += [
+            "", f"## Reward models: resident GiB and one forward of a {REWARD_BATCH}-image batch, bf16 "
+            "towers vs float32", "",
+            "bf16: the towers in bf16 with float32 projections, scales and heads, as rewards.py loads them "
+            "training on GPUs; float32: everything in float32, as the papers' evaluation code runs them. "
+            f"the model plus one forward of {REWARD_BATCH} images at its input size and {REWARD_BATCH} "
+            "prompts (preprocessing included).", "",
+            "| reward | input px | parameters (M) | resident, bf16 | forward peak, bf16 | resident, float32 "
+            "| forward peak, float32 | GFLOP per image |", "|---|---|---|---|---|---|---|---|"]
+        for name, r in rewards_table.items():
+            b, f32 = r["bf16"], r["float32"]
+            lines.append(f"| {name} | {r['size']} | {b['params'] / 1e6:,.0f} | {b['resident'] / GIB:.2f} | "
+                         f"{b['peak'] / GIB:.2f} | {f32['resident'] / GIB:.2f} | {f32['peak'] / GIB:.2f} | "
+                         f"{b['flops'] / REWARD_BATCH / 1e9:,.0f} |")
+    if evaluation:
+        ev, spec = evaluation, EVALUATE
+        lines += [
+            "", "## Evaluation alone (evaluate.py), per GPU", "",
+            f"common.evaluate_policy's phases for one rank's {ev['n']} prompts: encoded {spec['chunk']} at a "
+            f"(the text encoders on the GPU), the ODE ({spec['steps']} steps, {ev['nfe']:,} NFE) in "
+            f"of {spec['micro_batch']} with the bf16 transformer, decoded {spec['decode_batch']} at a time, "
+            f"every image scored at once by {', '.join(spec['rewards'])} in float32.", "",
+            "| command | GPUs | resident | encode | ODE | decode | rewards | **peak** | TFLOP / rank | "
+            f"seconds, A100 / H100 at {MFU:.0%} MFU |", "|---|---|---|---|---|---|---|---|---|---|"]
+        res = sum(v for k, v in ev["bytes"].items() if not k.startswith("text"))
+        phases = " | ".join(f"{ev['peak'][k] / GIB:.1f}" for k in ("encode", "ODE", "decode", "rewards"))
+        lines.append(f"| {ev['name']} | {ev['world']} | {res / GIB:.1f} | {phases} | "
+                     f"**{max(ev['peak'].values()) / GIB:.1f}** | {ev['total_flops'] / 1e12:,.0f} | "
+                     + " / ".join(f"{seconds(ev['total_flops'], g):,.0f}" for g in gpus) + " |")
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
+def read_table(path: str) -> dict:
+    """{command: {column: cell}} of a results/estimate.md's main table (gpu_check.py compares with it)."""
+    rows, header = {}, None
+    with open(path) as f:
+        for line in f:
+            cells = [c.strip().strip("*") for c in line.strip().strip("|").split("|")]
+            if line.startswith("| command | GPUs | resident |") and header is None:
+                header = cells
+            elif header is not None and line.startswith("| ") and len(cells) == len(header):
+                rows[cells[0]] = dict(zip(header, cells))
+            elif header is not None and rows and not line.strip():
+                break
+    return rows
+
+
 def undone(name, script, argv, world, tiny, e):
-    """The peak with each applicable change of UNDO reverted alone (re-measuring only the phases it touches)."""
+    """The peak with each applicable change of UNDO reverted alone (re-measuring the phases it touches)."""
     a, out = e["args"], {}
     for change in UNDO:
         measured = {"bf16 compute weights": ["rollout", "decode", "rewards", "training step", "evaluation"]
@@ -495,8 +969,13 @@ def main():
         if not a.no_undo:
             e["undone"] = undone(name, script, argv, world, a.tiny, e)
         estimates.append(e)
-        print(f"{name}: peak {peak(e):.1f} GiB ({time.time() - t0:.0f} s)", flush=True)
-    report(estimates, a.out, time.time() - t0)
+        print(f"{name}: peak {peak(e):.1f} GiB ({peak_phase(e)}, {time.time() - t0:.0f} s)", flush=True)
+    table = reward_models(a.tiny)
+    print(f"reward models ({time.time() - t0:.0f} s)", flush=True)
+    evaluation = estimate_evaluate(tiny=a.tiny)
+    top = max(evaluation["peak"].values()) / GIB
+    print(f"{evaluation['name']}: peak {top:.1f} GiB ({time.time() - t0:.0f} s)", flush=True)
+    report(estimates, a.out, time.time() - t0, table, evaluation)
 
 
 if __name__ == "__main__":

@@ -1,74 +1,494 @@
-"""results/estimate.py checked on a real GPU: the single-GPU G2RPO configuration (a random-initialised FLUX.1-dev-size
-transformer, bf16 frozen weights, LoRA r64, 720 px, gradient checkpointing) runs one rollout forward of a micro-batch
-and one training step through common.py, and torch.cuda.max_memory_allocated is printed next to the estimate of the
-same phases (transformer and its adapters only: no text encoders, VAE or reward models are loaded here).
+"""results/estimate.py checked on a real GPU: ONE whole training iteration of each single-GPU configuration
+of the README (the "1 GPU:" rows of estimate.COMMANDS), run THROUGH THE ALGORITHM FILES THEMSELVES
+(runpy.run_path(file, run_name="__main__"), sys.argv = the command + --num-iterations 1 --eval-every 0
+--save-every 0 --output-dir <tmp> --prompts <tmp prompt file> --eval-prompts <the same>), on
+random-initialised models of the real sizes built from their configs, no downloads:
+- common.load_pipeline returns an in-memory FluxPipeline / StableDiffusion3Pipeline of estimate.architectures
+  (FLUX.1-dev / SD3.5-M transformer, T5-XXL and CLIP text encoders, the VAE; built directly on the GPU in
+  bf16, the text encoders then waiting on the CPU as load_pipeline leaves them), toy/tiny.py's tokenizers;
+- common.load_rewards returns rewards.py's own reward functions (open_clip_reward, pickscore_reward,
+  imagereward_reward, aesthetic_reward) fed random models of estimate.reward_spec's sizes (open_clip ViT-H-14
+  for hps / clip, PickScore's CLIP-H, ImageReward's BLIP): bf16 towers, float32 heads, as in training;
+- common.save_state is counted, not run (writing a 1-3 GB checkpoint is not what this checks).
+Per phase it records the peak of torch.cuda.max_memory_allocated (wrapped: common.encode_prompts -> encode,
+common.velocity without grad -> rollout and with grad (or the reference's, inside training) -> training step,
+common.decode -> decode, the reward functions -> rewards, common.optimizer_step -> optimizer step; the peak
+counter is reset at each phase change and a phase's peak is the max over its calls; what runs between two
+wrapped calls (the SDE math, CoCA's credit, the backward pass) counts to the phase before it), the
+iteration's perf/seconds_per_iteration and perf/rollout_seconds from metrics.jsonl, the NFE against the
+file's planned_nfe and train/first_ratio_max_dev, and prints per configuration a table: phase, measured GiB,
+estimate.py's GiB of the same phase (read from results/estimate.md; --tiny: estimate.estimate(tiny=True),
+through the same reader). The pipelines are built once per model (SD3.5-M for three configurations, then
+FLUX.1-dev for three); the LoRA adapters are removed between runs (diffusers' unload_lora) and the base
+weights checked untouched (every parameter's float64 sum, and the names); the rest is freed in between.
 
-    python results/gpu_check.py            # on one CUDA GPU with >= 40 GB; about 2 minutes
-    python results/gpu_check.py --tiny     # the same code on a tiny transformer, on a CPU (the tests run this)
+    python results/gpu_check.py --out $OUT/gpu_check.json   # one H100 / H200: ~7 min
+    python results/gpu_check.py --only dancegrpo mixgrpo    # some configurations (keys below, or names)
+    python results/gpu_check.py --tiny                      # the same code on tiny architectures, on a CPU
+
+With the device tool (one command; the JSON comes back under files_at):
+    run(command="python results/gpu_check.py --out $OUT/gpu_check.json", timeout_s=540)
+Keys: flow_grpo, flow_grpo-coca, densegrpo, dancegrpo, mixgrpo, g2rpo.
+
+Time on one H100, from results/estimate.md's seconds per iteration at 40% MFU plus what this script adds:
+  compute: Flow-GRPO 22 + Flow-GRPO + CoCA 22 + DenseGRPO 23 (SD3.5-M) + DanceGRPO 44 + MixGRPO 38 +
+           G2RPO 166 (FLUX.1-dev) = 315 s;
+  builds: SD3.5-M ~8 s, FLUX.1-dev ~12 s (2.5 B / 11.9 B + T5-XXL's 4.8 B parameters initialised on the GPU,
+           then T5 and CLIP, 9-10 GiB, to the CPU) = 20 s;
+  per configuration ~10 s: its reward models (ViT-H-14s initialised on the GPU, sent to the CPU by open_clip
+           and back, 3.7 GiB each way, ~2 s each), the text encoders' visit to the GPU (9-10 GiB each way,
+           ~3 s, inside the iteration's seconds but not in the estimate's), LoRA set-up and removal, the
+           file's imports and TensorBoard writer: 6 x 10 = 60 s;
+  Python imports and CUDA start-up ~25 s;
+  total 315 + 20 + 60 + 25 = ~420 s of the 480 s allowed (an H200 computes as fast as an H100). Before each
+  configuration its estimate x 1.15 + 10 s is checked against --budget (460 s): one that would end later is
+  skipped and reported as such (G2RPO, last, is the one at risk if the GPU runs below 40% MFU).
 """
 import argparse
+import contextlib
+import functools
+import gc
+import importlib
 import json
 import os
+import runpy
 import sys
+import tempfile
 import time
+import types
 
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "toy"), os.path.join(ROOT, "results")]
+GIB = 2**30
+PHASES = ("encode", "rollout", "decode", "rewards", "training step", "optimizer step")
+PROMPTS = ["a red circle on the left", "a blue square on the top", "a photo of a cat and a dog",
+           "a green triangle at the bottom right", "a yellow picture of a dog"]
 
 
-def main():
+def key(name: str, script: str, argv: str) -> str:
+    return script + ("-coca" if "--credit coca" in argv else "")
+
+
+def model_kind(command) -> str:
+    """flux or sd3: the model the command's Args load."""
+    import tyro
+
+    args = tyro.cli(importlib.import_module(command[1]).Args, args=command[2].split())
+    return "flux" if "flux" in args.model else "sd3"
+
+
+def configurations(only=None) -> list:
+    import estimate
+
+    rows = [c for c in estimate.COMMANDS if c[0].startswith("1 GPU:") and c[3] == 1]
+    if only:
+        rows = [c for c in rows if key(*c[:3]) in only or any(o.lower() in c[0].lower() for o in only)]
+    return rows
+
+
+@contextlib.contextmanager
+def patched(owner, name: str, value):
+    """owner.<name> = value for the duration; a class attribute it only inherited is deleted afterwards."""
+    own = vars(owner) if isinstance(owner, type) else None
+    had = own is None or name in own
+    old = (own[name] if own is not None else getattr(owner, name)) if had else None
+    setattr(owner, name, value)
+    try:
+        yield value
+    finally:
+        if had:
+            setattr(owner, name, old)
+        else:
+            delattr(owner, name)
+
+
+class Phases:
+    """Per-phase peak memory: each wrapped call names its phase; at a phase change the peak since the last
+    reset is the old phase's (the max over its calls) and the counter is reset."""
+
+    def __init__(self, device):
+        self.cuda, self.current, self.peak, self.calls = device.type == "cuda", None, {}, {}
+
+    def enter(self, name: str):
+        if name != self.current:
+            self.close()
+            self.current = name
+            if self.cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+        self.calls[name] = self.calls.get(name, 0) + 1
+
+    def close(self):
+        if self.current is not None:
+            value = torch.cuda.max_memory_allocated() / GIB if self.cuda else 0.0
+            self.peak[self.current] = max(self.peak.get(self.current, 0.0), value)
+        self.current = None
+
+
+def wrapped(fn, phases: Phases, phase):
+    """fn, announcing its phase (a name, or a function of the current phase) before each call."""
+    @functools.wraps(fn)
+    def inner(*args, **kwargs):
+        phases.enter(phase() if callable(phase) else phase)
+        return fn(*args, **kwargs)
+    return inner
+
+
+def velocity_phase(phases: Phases):
+    def phase():  # the reference's no-grad forward runs inside the training loop
+        if torch.is_grad_enabled() or phases.current in ("training step", "optimizer step"):
+            return "training step"
+        return "rollout"
+    return phase
+
+
+# ---------------------------------------------------------------- random models of the real sizes
+def build_pipeline(kind: str, tiny: bool, device, dtype):
+    """A FluxPipeline / StableDiffusion3Pipeline of estimate.architectures, every module initialised on
+    `device` in `dtype`, left as common.load_pipeline leaves it (frozen, eval, the text encoders on the
+    CPU)."""
+    import estimate
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, StableDiffusion3Pipeline
+    from tiny import word_tokenizer
+
+    make_t, texts, make_vae = estimate.architectures(kind, tiny)
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            transformer, vae, encoders = make_t(), make_vae(), [make() for make in texts]
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+    def tokenizer(m):  # CLIP: its position embeddings; T5: the longest --max-sequence-length
+        return word_tokenizer(m.config.max_position_embeddings if "CLIP" in type(m).__name__ else 512)
+
+    scheduler = FlowMatchEulerDiscreteScheduler(**estimate.scheduler_config(kind))
+    parts = {"text_encoder": encoders[0], "tokenizer": tokenizer(encoders[0]), "text_encoder_2": encoders[1],
+             "tokenizer_2": tokenizer(encoders[1])}
+    if kind == "flux":
+        pipe = FluxPipeline(scheduler=scheduler, vae=vae, transformer=transformer, **parts)
+    else:
+        parts.update(text_encoder_3=encoders[2], tokenizer_3=tokenizer(encoders[2]))
+        pipe = StableDiffusion3Pipeline(scheduler=scheduler, vae=vae, transformer=transformer, **parts)
+    pipe.set_progress_bar_config(disable=True)
+    for name in ("vae", "text_encoder", "text_encoder_2", "text_encoder_3", "transformer"):
+        module = getattr(pipe, name, None)
+        if module is not None:
+            module.requires_grad_(False).eval().to("cpu" if name.startswith("text") else device)
+    return pipe
+
+
+def random_like(shape, name: str, device):
+    """A random initialisation by name: norms' weights 1 and biases 0, everything else N(0, 0.02^2)."""
+    if "norm" in name.lower():
+        return (torch.ones if name.endswith("weight") else torch.zeros)(shape, device=device)
+    return torch.randn(shape, device=device) * 0.02
+
+
+# transformers' BlipVisionModel names -> ImageReward.pt's (timm-style, under blip.visual_encoder.): the
+# inverse of rewards._IR_VISION
+_TO_IMAGEREWARD = [(r"embeddings\.class_embedding", "cls_token"),
+                   (r"embeddings\.position_embedding", "pos_embed"),
+                   (r"embeddings\.patch_embedding\.(\w+)", r"patch_embed.proj.\1"),
+                   (r"encoder\.layers\.(\d+)\.layer_norm([12])\.(\w+)", r"blocks.\1.norm\2.\3"),
+                   (r"encoder\.layers\.(\d+)\.self_attn\.qkv\.(\w+)", r"blocks.\1.attn.qkv.\2"),
+                   (r"encoder\.layers\.(\d+)\.self_attn\.projection\.(\w+)", r"blocks.\1.attn.proj.\2"),
+                   (r"encoder\.layers\.(\d+)\.mlp\.(fc[12])\.(\w+)", r"blocks.\1.mlp.\2.\3"),
+                   (r"post_layernorm\.(\w+)", r"norm.\1")]
+HEAD_LAYERS = (0, 2, 4, 6, 7)  # the Linear layers of the original heads' nn.Sequential (between dropouts)
+
+
+def imagereward_state(spec: dict, device) -> dict:
+    """A random ImageReward.pt state_dict with the original key names, of the sizes in `spec`."""
+    import re
+
+    from transformers import BlipTextConfig, BlipTextModel, BlipVisionConfig, BlipVisionModel
+
+    med = {k: v for k, v in spec["med"].items() if k not in ("encoder_width", "bos_token_id", "sep_token_id")}
+    with torch.device("meta"):
+        vision = BlipVisionModel(BlipVisionConfig(**spec["vision"]))
+        config = BlipTextConfig(**med, encoder_hidden_size=spec["med"]["encoder_width"], is_decoder=True)
+        text = BlipTextModel(config, add_pooling_layer=False)
+    state = {}
+    for name, t in vision.state_dict().items():
+        timm = next(re.sub(f"^{a}$", b, name) for a, b in _TO_IMAGEREWARD if re.fullmatch(a, name))
+        state["blip.visual_encoder." + timm] = random_like(t.shape, timm, device)
+    for name, t in text.state_dict().items():
+        state["blip.text_encoder." + name] = random_like(t.shape, name, device)
+    dims = (med["hidden_size"], *spec["head"])
+    for i, n_in, n_out in zip(HEAD_LAYERS, dims, dims[1:]):
+        state[f"mlp.layers.{i}.weight"] = random_like((n_out, n_in), "weight", device)
+        state[f"mlp.layers.{i}.bias"] = random_like((n_out,), "bias", device)
+    return state
+
+
+def clip_model(spec: dict, device):
+    from transformers import CLIPConfig, CLIPModel
+
+    with torch.device(device):
+        return CLIPModel(CLIPConfig(text_config=spec["text"], vision_config=spec["vision"],
+                                    projection_dim=spec["projection_dim"]))
+
+
+def load_random_rewards(names, device, *, models, dtype, tiny: bool, tmp: str, phases: Phases):
+    """common.load_rewards for this check: rewards.py's loaders fed random models (see the docstring)."""
+    import estimate
+    import rewards
+    from transformers import AutoProcessor, CLIPImageProcessor, CLIPModel
+
+    from tiny import WORDS, word_tokenizer
+
+    states = {}
+
+    def load_safely(path):  # the checkpoints this check made in memory
+        return states[path] if path in states else ORIGINAL["load_rewards_load_safely"](path)
+
+    out = {}
+    for name in dict.fromkeys(names):
+        spec = estimate.reward_spec(name, tiny)
+        if spec is None:  # jpeg, the toy world's
+            out[name] = ORIGINAL["load_rewards"]([name], device, models=models, dtype=dtype)[name]
+            continue
+        where = os.path.join(tmp, name)
+        os.makedirs(where, exist_ok=True)
+        size = spec["size"]
+        square = {"height": size, "width": size}
+        processor = CLIPImageProcessor(size={"shortest_edge": size}, crop_size=square,
+                                       image_mean=list(estimate.OPENAI_MEAN),
+                                       image_std=list(estimate.OPENAI_STD))
+
+        def random_clip(*args, **kwargs):
+            return clip_model(spec, device)
+
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(torch.device(device))  # random weights initialised where they will run
+            stack.enter_context(patched(rewards, "load_safely", load_safely))
+            if spec["family"] == "open_clip":
+                with open(os.path.join(where, "open_clip_config.json"), "w") as f:
+                    json.dump({"model_cfg": spec["config"], "preprocess_cfg": {}}, f)
+                fn = rewards.open_clip_reward(where, device, pad_square=spec["pad_square"], dtype=dtype)
+            elif spec["family"] == "clip":  # PickScore
+                tok = word_tokenizer(77)
+                tok.model_input_names = ["input_ids", "attention_mask"]
+                both = types.SimpleNamespace(image_processor=processor, tokenizer=tok)
+                stack.enter_context(patched(CLIPModel, "from_pretrained", random_clip))
+                stack.enter_context(patched(AutoProcessor, "from_pretrained", lambda *a, **k: both))
+                fn = rewards.pickscore_reward("random:pickscore", "random:processor", device, dtype=dtype)
+            elif spec["family"] == "clip_vision":  # the aesthetic predictor
+                head = os.path.join(where, "head.pth")
+                open(head, "w").close()
+                dims = (spec["projection_dim"], *spec["head"])
+                states[head] = {f"layers.{i}.{p}": random_like((b, a) if p == "weight" else (b,), p, device)
+                                for i, a, b in zip(HEAD_LAYERS, dims, dims[1:]) for p in ("weight", "bias")}
+                stack.enter_context(patched(CLIPModel, "from_pretrained", random_clip))
+                stack.enter_context(patched(CLIPImageProcessor, "from_pretrained", lambda *a, **k: processor))
+                fn = rewards.aesthetic_reward(head, "random:clip-vit-large-patch14", device, dtype=dtype)
+            else:  # ImageReward: its checkpoint's original key names, med_config.json, a BERT vocab.txt
+                checkpoint = os.path.join(where, "ImageReward.pt")
+                med = os.path.join(where, "med_config.json")
+                open(checkpoint, "w").close()
+                states[checkpoint] = imagereward_state(spec, device)
+                with open(med, "w") as f:
+                    json.dump(spec["med"], f)
+                with open(os.path.join(where, "vocab.txt"), "w") as f:
+                    f.write("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS]) + "\n")
+                fn = rewards.imagereward_reward(checkpoint, med, where, device, dtype=dtype)
+                states.clear()
+        out[name] = wrapped(fn, phases, "rewards")
+    return out
+
+
+ORIGINAL = {}  # common's functions before this check wraps them
+
+
+# ---------------------------------------------------------------- one configuration
+def fingerprint(module):
+    """(parameter names, every parameter's float64 sum): what the LoRA runs must leave unchanged."""
+    names = tuple(n for n, _ in module.named_parameters())
+    return names, torch.stack([p.detach().sum(dtype=torch.float64) for p in module.parameters()]).cpu()
+
+
+def run_configuration(command, *, pipe, kind, tiny, device, tmp, prompts):
+    """One iteration of the command through its algorithm file; what it measured."""
     import tyro
 
     import common
-    import estimate
-    import g2rpo
 
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--tiny", action="store_true")
-    a = p.parse_args()
-    name, script, argv, world = next(c for c in estimate.COMMANDS if c[0].startswith("1 GPU: G2RPO"))
-    args = tyro.cli(g2rpo.Args, args=argv.split())
-    device = torch.device("cpu" if a.tiny else "cuda")
-    make, _, _ = estimate.architectures("flux", a.tiny)
-    res = 32 if a.tiny else args.resolution
-    C, H = (4, 16) if a.tiny else (16, res // 8)
-    torch.manual_seed(0)
+    name, script, argv, world = command
+    out_dir = tempfile.mkdtemp(prefix=key(name, script, argv) + "-", dir=tmp)
+    extra = ["--num-iterations", "1", "--eval-every", "0", "--save-every", "0", "--output-dir", out_dir,
+             "--prompts", prompts, "--eval-prompts", prompts]
+    if tiny:
+        extra += ["--resolution", "32", "--max-sequence-length", "16"]
+    mod = importlib.import_module(script)
+    args = tyro.cli(mod.Args, args=argv.split() + extra)
+    planned = mod.planned_nfe(args)
+    phases, saved = Phases(device), []
+
+    def load_pipeline(model, dev, *, dtype=torch.float32):
+        return pipe, kind
+
+    def save_state(path, **kwargs):
+        saved.append(path)
+
+    step, with_gradient = common.optimizer_step, []
+
+    def optimizer_step(params, optimizer, **kwargs):  # the trainable tensors that got a gradient
+        phases.enter("optimizer step")
+        with_gradient.append(sum(p.grad is not None for p in params.values()))
+        return step(params, optimizer, **kwargs)
+
+    load_rewards = functools.partial(load_random_rewards, tiny=tiny, tmp=os.path.join(out_dir, "rewards"),
+                                     phases=phases)
+    result = {"name": name, "key": key(name, script, argv), "script": script, "argv": argv, "ok": False}
     t0 = time.time()
-    with torch.device(device):
-        torch.set_default_dtype(torch.bfloat16)
-        transformer = make()
-        torch.set_default_dtype(torch.float32)
-    params, _ = common.make_trainable(transformer.requires_grad_(False), "flux", args.lora_rank, args.lora_alpha, False, False,
-                                      False, torch.bfloat16, True)
-    txt, pooled = (32, 32) if a.tiny else (4096, 768)
-    seq = 16 if a.tiny else args.max_sequence_length
-    emb = {"embeds": torch.randn(1, seq, txt, device=device, dtype=torch.bfloat16),
-           "pooled": torch.randn(1, pooled, device=device, dtype=torch.bfloat16)}
-    sigmas, out = common.sigma_schedule(args.num_steps, args.shift), {"build seconds": round(time.time() - t0, 1)}
-    memory = (lambda: torch.cuda.max_memory_allocated() / 2**30) if device.type == "cuda" else (lambda: 0.0)  # noqa: E731
-    resident = torch.cuda.memory_allocated() / 2**30 if device.type == "cuda" else 0.0
-    x = torch.randn(args.micro_batch, C, H, H, device=device)
-    with torch.no_grad():  # a rollout forward of one micro-batch (the completions' shape)
-        common.velocity(transformer, "flux", x, sigmas[1], common.select(emb, torch.zeros(len(x), dtype=torch.long)), 3.5)
-    out["rollout forward peak GiB"] = round(memory(), 1)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    xt = torch.randn(1, C, H, H, device=device)  # one prompt's v(x_k): G2RPO's training forward
-    v = common.velocity(transformer, "flux", xt, sigmas[1], emb, 3.5)
-    _, log_prob, _, _ = common.sde_step(v.expand(args.group_size, -1, -1, -1), xt.expand(args.group_size, -1, -1, -1),
-                                        sigmas, 1, args.noise_level, prev_sample=torch.randn(args.group_size, C, H, H,
-                                                                                             device=device))
-    loss, _, _ = common.clipped_policy_loss(log_prob, log_prob.detach(), torch.randn(args.group_size, device=device), 1e-4)
-    loss.backward()
-    out["training step peak GiB"] = round(memory(), 1)
-    out["resident GiB (weights and adapters)"] = round(resident, 1)
-    out["lora gradients"] = sum(p.grad is not None for p in params)
-    print(json.dumps(out, indent=1))
-    if not a.tiny:
-        print("estimate (results/estimate.md, '1 GPU: G2RPO'): the same phases add the VAE, the reward models and the "
-              "rollout's stored tensors (~6 GiB) to these")
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(patched(common, "load_pipeline", load_pipeline))
+        stack.enter_context(patched(common, "load_rewards", load_rewards))
+        stack.enter_context(patched(common, "save_state", save_state))
+        for fn, phase in (("encode_prompts", "encode"), ("velocity", velocity_phase(phases)),
+                          ("decode", "decode")):
+            stack.enter_context(patched(common, fn, wrapped(getattr(common, fn), phases, phase)))
+        stack.enter_context(patched(common, "optimizer_step", optimizer_step))
+        stack.enter_context(patched(sys, "argv", [os.path.join(ROOT, script + ".py"), *argv.split(), *extra]))
+        stack.enter_context(contextlib.redirect_stdout(sys.stderr))  # its summary: stdout is the report's
+        try:
+            runpy.run_path(os.path.join(ROOT, script + ".py"), run_name="__main__")
+            result["ok"] = True
+        except (Exception, SystemExit) as e:  # a failed configuration must not stop the others
+            result["error"] = f"{type(e).__name__}: {str(e)[:500]}"
+        finally:
+            phases.close()
+    result["wall_seconds"] = round(time.time() - t0, 1)
+    rows = []
+    for run in os.listdir(out_dir):
+        path = os.path.join(out_dir, run, "metrics.jsonl")
+        if os.path.isfile(path):
+            rows = common.read_jsonl(path)
+    iteration = {k: v for r in rows if r.get("iteration") == 1 for k, v in r.items()}
+    result.update(iterations=len({r["iteration"] for r in rows}), checkpoints_saved=len(saved),
+                  seconds_per_iteration=iteration.get("perf/seconds_per_iteration"),
+                  rollout_seconds=iteration.get("perf/rollout_seconds"),
+                  first_ratio_max_dev=iteration.get("train/first_ratio_max_dev"),
+                  nfe={"rollout_per_prompt": iteration.get("perf/nfe_rollout_per_prompt"),
+                       "planned_rollout_per_prompt": planned["rollout"],
+                       "per_iteration": iteration.get("perf/nfe_per_iteration"),
+                       "planned_per_iteration": args.prompts_per_iteration * sum(planned.values())},
+                  measured_gib={k: round(v, 2) for k, v in phases.peak.items()}, calls=dict(phases.calls))
+    result["lora gradients"] = max(with_gradient, default=0)  # (the name of the old check's field)
+    return result
+
+
+def estimated(commands, tiny: bool, path: str) -> dict:
+    """{command: {phase: GiB, "seconds, H100": s}} from an estimate.md (--tiny: written now by estimate)."""
+    import estimate
+
+    if tiny:
+        path = os.path.join(tempfile.mkdtemp(), "estimate.md")
+        with contextlib.redirect_stdout(sys.stderr):
+            estimate.report([estimate.estimate(*c, tiny=True) for c in commands], path, 0)
+    if not os.path.isfile(path):
+        return {}
+    out = {}
+    for name, row in estimate.read_table(path).items():
+        cells = {p: float(row[p]) for p in estimate.PHASES if p in row}
+        column = next((c for c in row if c.startswith("seconds / iteration")), None)
+        if column:
+            cells["seconds, H100"] = float(row[column].split("/")[-1].replace(",", ""))
+        out[name] = cells
+    return out
+
+
+def markdown(results: list) -> str:
+    lines = []
+    for r in results:
+        head = f"### {r['name']}: " + ("ok" if r.get("ok") else r.get("skipped") or r.get("error", "failed"))
+        if "seconds_per_iteration" in r:
+            est = r.get("estimate", {}).get("seconds, H100")
+            it, roll = r["seconds_per_iteration"] or 0, r["rollout_seconds"] or 0
+            head += (f"; {it:.1f} s / iteration (rollout {roll:.1f} s; "
+                     f"estimate {est if est is not None else 'n/a'} s on an H100 at 40% MFU), "
+                     f"first_ratio_max_dev {r['first_ratio_max_dev']}, NFE {r['nfe']['per_iteration']} "
+                     f"(planned {r['nfe']['planned_per_iteration']})")
+        lines += [head, ""]
+        if "measured_gib" in r:
+            lines += ["| phase | measured peak GiB | estimate.py GiB | calls |", "|---|---|---|---|"]
+            for p in PHASES:
+                m, e = r["measured_gib"].get(p), r.get("estimate", {}).get(p)
+                m, e = ("-" if v is None else f"{v:.1f}" for v in (m, e))
+                lines.append(f"| {p} | {m} | {e} | {r['calls'].get(p, 0)} |")
+            lines.append("")
+    return "\n".join(lines)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tiny", action="store_true", help="tiny architectures on the CPU (the tests run this)")
+    p.add_argument("--only", nargs="*", default=None, help="configuration keys or parts of their names")
+    p.add_argument("--out", default=None, help="also write the JSON here")
+    p.add_argument("--estimate", default=os.path.join(ROOT, "results", "estimate.md"))
+    p.add_argument("--budget", type=float, default=460.0, help="skip a configuration estimated to end later")
+    p.add_argument("--dtype", choices=["bf16", "fp32"], default=None,
+                   help="the models' dtype (default: bf16 on the GPU, fp32 with --tiny; --tiny --dtype bf16 "
+                        "rehearses the GPU's dtypes on a CPU)")
+    a = p.parse_args()
+    import common
+
+    ORIGINAL.update(load_rewards=common.load_rewards, load_rewards_load_safely=common.load_safely)
+    t_start = time.time()
+    device = torch.device("cpu" if a.tiny else "cuda")
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, None: torch.float32 if a.tiny else torch.bfloat16}[a.dtype]
+    commands = configurations(a.only)
+    figures = estimated(commands, a.tiny, a.estimate)
+    tmp = tempfile.mkdtemp(prefix="gpu_check-")
+    prompts = os.path.join(tmp, "prompts.txt")
+    with open(prompts, "w") as f:
+        f.write("\n".join(PROMPTS) + "\n")
+    results, builds = [], {}
+    for kind in ("sd3", "flux"):
+        mine = [c for c in commands if model_kind(c) == kind]
+        if not mine:
+            continue
+        t0 = time.time()
+        pipe = build_pipeline(kind, a.tiny, device, dtype)
+        builds[kind] = round(time.time() - t0, 1)
+        base = fingerprint(pipe.transformer)
+        for command in mine:
+            guess = figures.get(command[0], {}).get("seconds, H100", 0) * 1.15 + 10
+            if not a.tiny and time.time() - t_start + guess > a.budget:
+                why = f"budget: {time.time() - t_start:.0f} s + ~{guess:.0f} s > {a.budget:.0f} s"
+                results.append({"name": command[0], "key": key(*command[:3]), "ok": False, "skipped": why})
+                continue
+            r = run_configuration(command, pipe=pipe, kind=kind, tiny=a.tiny, device=device, tmp=tmp,
+                                  prompts=prompts)
+            if getattr(pipe.transformer, "peft_config", None):
+                pipe.transformer.unload_lora()
+            r["estimate"] = figures.get(command[0], {})
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+                r["memory_after_gib"] = round(torch.cuda.memory_allocated() / GIB, 2)
+            names, sums = fingerprint(pipe.transformer)
+            r["base_weights_unchanged"] = names == base[0] and torch.equal(sums, base[1])
+            results.append(r)
+            state = "ok" if r["ok"] else r.get("error")
+            print(f"{r['name']}: {state} ({r['wall_seconds']} s)", file=sys.stderr, flush=True)
+        del pipe
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    report = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "tiny": a.tiny,
+              "build_seconds": builds, "total_seconds": round(time.time() - t_start, 1),
+              "configurations": results}
+    text = json.dumps(report, indent=1)
+    if a.out:
+        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+        with open(a.out, "w") as f:
+            f.write(text + "\n")
+    print(text)
+    print(markdown(results))
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ def block_dtypes(transformer, x, emb):
     handles = [transformer.transformer_blocks[0].register_forward_pre_hook(hook, with_kwargs=True),
                transformer.single_transformer_blocks[0].register_forward_pre_hook(hook, with_kwargs=True)]
     with torch.no_grad():
-        velocity(transformer, "flux", x, torch.tensor(0.7), emb, 3.5)
+        velocity(transformer, "flux", x, torch.tensor(0.7), emb, guidance=3.5)
     for h in handles:
         h.remove()
     return seen
@@ -62,7 +62,7 @@ if __name__ == "__main__":
     for _ in range(5):  # an iteration's reference forwards, as the files run them
         with torch.no_grad(), as_reference(transformer, ref) as reference:
             for _ in range(3):
-                velocity(reference, "flux", x, torch.tensor(0.5), emb, 3.5)
+                velocity(reference, "flux", x, torch.tensor(0.5), emb, guidance=3.5)
         record.append(len(ref._get_fsdp_state()._comm_ctx.post_forward_order))
     result["bookkeeping"] = record
 

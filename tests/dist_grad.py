@@ -37,11 +37,11 @@ if __name__ == "__main__":
     advantages, sigmas = torch.randn(n, generator=g), shifted_sigmas(4, shift=3.0)
     rows = torch.arange(rank * n // world, (rank + 1) * n // world)  # this rank's half (or all of it)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp is not None and world == 1):
-        v = velocity(transformer, "flux", x[rows], sigmas[1], select(emb, rows), 3.5)
+        v = velocity(transformer, "flux", x[rows], sigmas[1], select(emb, rows), guidance=3.5)
     _, log_prob, mean, std = sde_step(v, x[rows], sigmas, 1, 0.7, prev_sample=x_next[rows])
     # the files' loss: the PPO-clipped ratio and the official KL of the step means
     with torch.no_grad(), as_reference(transformer, ref) as reference:
-        v_ref = velocity(reference, "flux", x[rows], sigmas[1], select(emb, rows), 3.5)
+        v_ref = velocity(reference, "flux", x[rows], sigmas[1], select(emb, rows), guidance=3.5)
     mean_ref, _, _ = sde_mean_std(v_ref, x[rows], sigmas, 1, 0.7)
     kl = ((mean - mean_ref) ** 2).mean(dim=(1, 2, 3)).mean() / (2 * std**2 / float(sigmas[1] - sigmas[2]))
     ratio, adv = torch.exp(log_prob - log_prob.detach()), advantages[rows]

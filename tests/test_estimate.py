@@ -1,5 +1,7 @@
-"""results/estimate.py on tiny architectures: the same code paths as the full estimate (fake tensors, FSDP2 over a fake
-process group, the algorithm files' own Args and closed-form NFE), in seconds, so that it cannot rot."""
+"""results/estimate.py on tiny architectures: the same code paths as the full estimate (fake tensors, FSDP2
+over a fake process group, the algorithm files' own Args and closed-form NFE), in seconds, so that it cannot
+rot; and results/gpu_check.py's whole-iteration runs through the algorithm files, on tiny models (CPU)."""
+import json
 import os
 import subprocess
 import sys
@@ -11,29 +13,35 @@ from helpers import ROOT
 sys.path.insert(0, os.path.join(ROOT, "results"))
 import estimate  # noqa: E402
 
+ENV = dict(os.environ, OMP_NUM_THREADS="1")
+
 
 def command(prefix):
     return next(c for c in estimate.COMMANDS if c[0].startswith(prefix))
 
 
 def test_sharded_and_lora_state_is_accounted():
-    """Full fine-tuning over 16 ranks holds 1/16 of the float32 weights (FSDP2 pads each tensor's shard) and twice that
-    in Adam states; LoRA holds the whole bf16 model plus float32 adapters; the rollout gathers bf16 weights."""
+    """Full fine-tuning over 16 ranks holds 1/16 of the float32 weights (FSDP2 pads each tensor's shard) and
+    twice that in Adam states; LoRA holds the whole bf16 model plus float32 adapters; the rollout gathers bf16
+    weights."""
     name, script, argv, world = command("G2RPO")
     sharded = estimate.estimate(name, script, argv, world, tiny=True)
     n = sharded["n_params"]
     b = sharded["bytes"]
-    assert b["frozen transformer (bf16)"] == 0 and 4 * n / world <= b["trainable (float32)"] <= 4 * n / world * 1.2
+    assert b["frozen transformer (bf16)"] == 0
+    assert 4 * n / world <= b["trainable (float32)"] <= 4 * n / world * 1.2
     assert b["Adam states"] == pytest.approx(2 * b["trainable (float32)"], rel=0.01)
     resident = sum(v for k, v in b.items() if not k.startswith("text"))
-    assert sharded["peak"]["rollout"] >= resident + 2 * n * (world - 1) / world  # every block gathered in bf16
-    assert sharded["nfe"] == __import__("g2rpo").planned_nfe(sharded["args"])  # read from the file, not re-typed
+    assert sharded["peak"]["rollout"] >= resident + 2 * n * (world - 1) / world  # all blocks gathered, bf16
+    assert sharded["nfe"] == __import__("g2rpo").planned_nfe(sharded["args"])  # read from the file
+    # the optimizer step clips the local shards' gradients (float32, 1/16 each): no whole tensor appears
+    assert sharded["peak"]["optimizer step"] < resident + sharded["kept"] + 3 * 4 * n / world
     name, script, argv, world = command("1 GPU: G2RPO")
     lora = estimate.estimate(name, script, argv, world, tiny=True)
     frozen, trainable = lora["bytes"]["frozen transformer (bf16)"], lora["bytes"]["trainable (float32)"]
-    assert frozen == pytest.approx(2 * lora["n_params"], rel=0.01) and trainable > 0  # (tiny: r 64 adapters are large)
-    per_row_train, per_row_forward = lora["flops"]["training step"], lora["flops"]["rollout"] / (2 * lora["mb"])
-    assert per_row_train > 2 * per_row_forward > 0 and estimate.per_iteration(lora) > 0  # backward ~ 2 forwards
+    assert frozen == pytest.approx(2 * lora["n_params"], rel=0.01) and trainable > 0  # (tiny: r 64 is large)
+    per_row_train, per_row_forward = lora["flops"]["training step"], lora["flops"]["rollout"] / lora["mb"]
+    assert per_row_train > 2 * per_row_forward > 0 and estimate.per_iteration(lora) > 0  # backward ~ 2 fwd
 
 
 def test_undoing_a_change_never_lowers_the_peak():
@@ -48,23 +56,99 @@ def test_undoing_a_change_never_lowers_the_peak():
     assert all(v >= now - 1e-9 for v in undone.values()), undone
 
 
+def test_new_algorithms_rows():
+    """CoCA keeps the sampler's velocities (T x P x G latents in bf16) unless plain Flow-GRPO keeps them too
+    (the estimator reads flow_grpo.py's source), and its credit's x0 predictions (T x P x G float32 latents)
+    add to the rewards phase; MixGRPO-Flash samples fewer steps than MixGRPO (fewer latents kept, fewer FLOPs)
+    and keeps log-probs only for the steps its SDE samples; DanceGRPO's rows run dancegrpo.py."""
+    plain = estimate.estimate(*command("Flow-GRPO, SD3.5-M"), tiny=True)
+    coca = estimate.estimate(*command("Flow-GRPO + CoCA, SD3.5-M"), tiny=True)
+    a, P, T = coca["args"], coca["P"], coca["args"].num_steps
+    latents = T * P * a.group_size * coca["latent_bytes"]  # T x P x G float32 latents
+    always = estimate.appends_unguarded(os.path.join(ROOT, "flow_grpo.py"), "sampler_velocities", "credit")
+    assert coca["kept"] - plain["kept"] == (0 if always else latents // 2)
+    assert coca["steps"]["velocities"] == T and plain["steps"]["velocities"] == (T if always else 0)
+    assert coca["peak"]["rewards"] >= plain["peak"]["rewards"] + latents
+    assert coca["nfe"] == plain["nfe"] == __import__("flow_grpo").planned_nfe(a)
+    mix = estimate.estimate(*command("MixGRPO,"), tiny=True)
+    flash = estimate.estimate(*command("MixGRPO-Flash"), tiny=True)
+    mixgrpo = __import__("mixgrpo")
+    assert mix["nfe"] == mixgrpo.planned_nfe(mix["args"], 0)
+    assert flash["nfe"] == mixgrpo.planned_nfe(flash["args"], 0)
+    assert estimate.per_iteration(flash) < estimate.per_iteration(mix) and flash["kept"] < mix["kept"]
+    assert flash["nfe"]["rollout"] < mix["nfe"]["rollout"] and flash["nfe"]["train"] == mix["nfe"]["train"]
+    last = mixgrpo.window_steps(flash["args"], 0)[-1]
+    assert flash["steps"]["log_probs"] == last + 1 and mix["steps"]["log_probs"] == mix["args"].num_steps
+    assert flash["steps"]["latents"] == last + mixgrpo.flash_points(flash["args"], last) + 1
+    assert all(c[1] == "dancegrpo" for c in estimate.COMMANDS if "DanceGRPO" in c[0])
+    dance = estimate.estimate(*command("1 GPU: DanceGRPO"), tiny=True)
+    assert dance["nfe"] == __import__("dancegrpo").planned_nfe(dance["args"])
+    assert dance["mb"] <= dance["args"].micro_batch and dance["steps"]["velocities"] == 0
+    assert dance["bytes"]["reward models (bf16 towers)"] > 0  # HPS + CLIP
+
+
+def test_reward_models_and_evaluation_rows():
+    """Float32 reward models hold ~2x the bytes of bf16 towers with float32 heads (ImageReward included); the
+    evaluate.py row scores with float32 rewards and counts the ODE's NFE."""
+    table = estimate.reward_models(tiny=True)
+    assert set(table) == set(estimate.REWARD_TABLE)
+    for name, r in table.items():
+        bf16, fp32 = r["bf16"], r["float32"]
+        assert bf16["params"] == fp32["params"] and fp32["peak"] > fp32["resident"] > bf16["resident"], name
+        assert bf16["flops"] > 0
+    ir = table["imagereward"]
+    heads = 4 * sum(p.numel() for p in estimate.reward_model("imagereward", True)().heads.parameters())
+    assert ir["float32"]["resident"] == pytest.approx(2 * (ir["bf16"]["resident"] - heads) + heads, rel=0.01)
+    ev, spec = estimate.estimate_evaluate(tiny=True), estimate.EVALUATE
+    assert ev["nfe"] == spec["prompts"] // spec["world"] * spec["steps"]
+    fp32 = sum(table[r]["float32"]["resident"] for r in spec["rewards"])
+    assert ev["bytes"]["reward models (float32)"] == fp32
+    assert set(ev["peak"]) == {"encode", "ODE", "decode", "rewards"} and ev["total_flops"] > 0
+
+
 @pytest.mark.slow
 def test_estimate_script_writes_every_command(tmp_path):
     out = tmp_path / "estimate.md"
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "results", "estimate.py"), "--tiny", "--out", str(out)],
-                          capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "results", "estimate.py"), "--tiny", "--out",
+                           str(out)], capture_output=True, text=True, timeout=600, env=ENV)
     assert proc.returncode == 0, proc.stderr[-3000:]
     text = out.read_text()
     for name, *_ in estimate.COMMANDS:
-        assert text.count(f"| {name} |") == 3, name  # the peak table, the resident table, the before/after table
+        assert text.count(f"| {name} |") == 3, name  # the peak, the resident and the before/after tables
+    for name in estimate.REWARD_TABLE:
+        assert text.count(f"| {name} |") == 1, name
+    assert text.count(f"| {estimate.EVALUATE['name']} |") == 1
+    rows = estimate.read_table(str(out))
+    assert set(rows) == {c[0] for c in estimate.COMMANDS}
+    assert all(set(estimate.PHASES) <= set(r) for r in rows.values())
 
 
-def test_gpu_check_script_runs_on_a_tiny_model():
-    """results/gpu_check.py is what a session with a GPU runs to check the estimate; its code path works on a CPU."""
-    import json
-
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "results", "gpu_check.py"), "--tiny"], capture_output=True,
-                          text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+@pytest.mark.slow
+def test_gpu_check_script_runs_on_a_tiny_model(tmp_path):
+    """results/gpu_check.py is what a session with a GPU runs: one whole iteration of each single-GPU
+    configuration through its algorithm file; its code path works on a CPU, on tiny models."""
+    out = tmp_path / "gpu_check.json"
+    script = os.path.join(ROOT, "results", "gpu_check.py")
+    # in bf16, the GPU's dtype: a float32 buffer filled with bf16 velocities failed only there
+    proc = subprocess.run([sys.executable, script, "--tiny", "--dtype", "bf16", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600, env=ENV)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout[proc.stdout.index("{"):proc.stdout.rindex("}") + 1])
-    assert out["lora gradients"] > 0 and "training step peak GiB" in out
+    configs = json.loads(out.read_text())["configurations"]
+    single = [c for c in estimate.COMMANDS if c[0].startswith("1 GPU:")]
+    sd3 = [c[0] for c in single if c[1] in ("flow_grpo", "densegrpo")]
+    assert [c["name"] for c in configs] == sd3 + [c[0] for c in single if c[0] not in sd3]  # one build each
+    for c in configs:
+        assert c["ok"] and c["iterations"] == 1 and c["checkpoints_saved"] == 1, c
+        assert c["first_ratio_max_dev"] == 0, c["name"]  # sampling and training agree exactly
+        nfe = c["nfe"]
+        assert nfe["rollout_per_prompt"] == nfe["planned_rollout_per_prompt"], c["name"]
+        assert nfe["per_iteration"] == nfe["planned_per_iteration"], c["name"]
+        not_run = {"evaluation encode", "evaluation", "seconds, H100"}
+        assert set(c["measured_gib"]) == set(c["estimate"]) - not_run, c["name"]
+        assert "training step" in c["measured_gib"] and c["lora gradients"] > 0, c["name"]
+        assert c["base_weights_unchanged"] and c["seconds_per_iteration"] > 0 and c["rollout_seconds"] > 0
+    assert "| training step |" in proc.stdout
+    only = subprocess.run([sys.executable, script, "--tiny", "--only", "coca"], capture_output=True,
+                          text=True, timeout=300, env=ENV)
+    assert only.returncode == 0, only.stderr[-3000:]
+    assert "### 1 GPU: Flow-GRPO + CoCA" in only.stdout and "### 1 GPU: DenseGRPO" not in only.stdout

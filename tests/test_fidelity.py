@@ -111,7 +111,7 @@ def test_kl_scales_against_hand_computation():
     sigmas, i, a = shifted_sigmas(10, shift=3.0), 3, 0.7
     sigma, dt = float(sigmas[i]), float(sigmas[i + 1] - sigmas[i])
     with torch.no_grad():
-        v_ref = velocity(ref, "flux", x, sigmas[i], emb, 3.5).float()
+        v_ref = velocity(ref, "flux", x, sigmas[i], emb, guidance=3.5).float()
     std_dev_t = a * math.sqrt(sigma / (1 - sigma))
     mu_ref = x + (v_ref + std_dev_t**2 / (2 * sigma) * (x + (1 - sigma) * v_ref)) * dt
     mean, std, g_t = sde_mean_std(v_ref, x, sigmas, i, a)
@@ -171,7 +171,7 @@ def test_timestep_reaches_the_transformer_in_float32():
     seen = []
     transformer.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["timestep"]), with_kwargs=True)
     emb = {"embeds": torch.randn(1, 8, 64), "pooled": torch.randn(1, 64)}
-    velocity(transformer, "sd3", torch.randn(1, 4, 16, 16), torch.tensor(0.9601), emb, 1.0)
+    velocity(transformer, "sd3", torch.randn(1, 4, 16, 16), torch.tensor(0.9601), emb, guidance=1.0)
     assert seen[0].dtype == torch.float32 and seen[0].item() == pytest.approx(960.1, abs=1e-3)
     assert torch.tensor(960.1).to(torch.bfloat16).item() == 960  # what a bf16 timestep would have been
 

@@ -152,7 +152,7 @@ def test_lora_export_loads_at_full_strength(tiny, tmp_path, kind):
     emb = select({"embeds": torch.randn(1, 16, dim, generator=g), "pooled": torch.randn(1, dim, generator=g)},
                  torch.zeros(2, dtype=torch.long))
     with torch.no_grad():
-        v_trained, v_loaded, v_base = (velocity(t, kind, x, torch.tensor(0.7), emb, 3.5)
+        v_trained, v_loaded, v_base = (velocity(t, kind, x, torch.tensor(0.7), emb, guidance=3.5)
                                        for t in (trained, pipe.transformer, base))
     assert (v_trained - v_base).abs().max() > 1e-3  # the adapter changed the model
     torch.testing.assert_close(v_loaded, v_trained, rtol=1e-5, atol=1e-6)
@@ -216,8 +216,8 @@ def test_non_finite_gradient_stops_before_any_checkpoint(tiny, tmp_path, monkeyp
 
     real = common.velocity
 
-    def overflowing(transformer, kind, x, sigma, emb, guidance=1.0):
-        v = real(transformer, kind, x, sigma, emb, guidance)
+    def overflowing(transformer, kind, x, sigma, emb, *, guidance):
+        v = real(transformer, kind, x, sigma, emb, guidance=guidance)
         return v * float("nan") if torch.is_grad_enabled() else v
 
     monkeypatch.setattr(common, "velocity", overflowing)

@@ -36,7 +36,7 @@ def loss_and_grads(kind, checkpointing, lora):
     text = 32 if kind == "flux" else 64
     emb = {"embeds": torch.randn(3, 16, text, generator=g), "pooled": torch.randn(3, text, generator=g)}
     sigmas = shifted_sigmas(4, shift=3.0)
-    v = velocity(transformer, kind, x, sigmas[1], select(emb, torch.arange(3)), 3.5)
+    v = velocity(transformer, kind, x, sigmas[1], select(emb, torch.arange(3)), guidance=3.5)
     _, log_prob, _, _ = sde_step(v, x, sigmas, 1, 0.7, prev_sample=x_next)
     ratio, adv = torch.exp(log_prob - log_prob.detach()), torch.tensor([1.0, -0.5, 0.3])
     torch.max(-adv * ratio, -adv * ratio.clamp(1 - 1e-4, 1 + 1e-4)).mean().backward()  # the files' PPO loss
