@@ -69,8 +69,8 @@ COMMANDS = [
     ("1 GPU: G2RPO, FLUX.1-dev (LoRA)", "g2rpo", "--lambdas 1 2 3 " + LORA_1GPU, 1),
 ]
 # evaluate.py's evaluation of FLUX.1-dev, modelled with common.evaluate_policy's phases
-EVALUATE = dict(name="evaluate.py, FLUX.1-dev, 720 px, 50 steps, 400 prompts, 8 GPUs", kind="flux",
-                resolution=720, steps=50, prompts=400, world=8, chunk=16, micro_batch=12, decode_batch=4,
+EVALUATE = dict(name="evaluate.py, FLUX.1-dev, 1024 px, 50 steps, 400 prompts, 8 GPUs", kind="flux",
+                resolution=1024, steps=50, prompts=400, world=8, chunk=16, micro_batch=4, decode_batch=4,
                 max_sequence_length=512, guidance=3.5, rewards=("hps", "clip", "pickscore", "imagereward"))
 REWARD_TABLE = ("hps", "clip", "pickscore", "imagereward", "aesthetic")  # the reward models' own table
 REWARD_BATCH = 12
@@ -781,7 +781,8 @@ def reward_models(tiny=False, names=REWARD_TABLE, batch=REWARD_BATCH):
 def estimate_evaluate(spec=EVALUATE, tiny=False):
     """evaluate.py's evaluation on one of spec["world"] GPUs, as common.evaluate_policy runs it: this rank's
     prompts encoded `chunk` at a time, the ODE in micro-batches with the bf16 transformer (no adapters),
-    decoded 4 at a time per micro-batch, every image scored at once by each reward in float32."""
+    decoded 4 at a time per micro-batch, each micro-batch's images scored by each reward in float32 (its
+    defaults: G2RPO's and MixGRPO's evaluation at 1024 px, micro-batch 4)."""
     import common
 
     kind, world, n = spec["kind"], spec["world"], spec["prompts"] // spec["world"]
@@ -827,11 +828,11 @@ def estimate_evaluate(spec=EVALUATE, tiny=False):
 
         def score():
             with torch.no_grad():
-                reward_forward(scorers, images)
-        out["peak"]["rewards"], out["flops"]["rewards"] = measure(score, [*resident, images])
+                reward_forward(scorers, images[:mb])
+        out["peak"]["rewards"], out["flops"]["rewards"] = measure(score, [*resident, images[:mb]])
     fl = out["flops"]
     out["total_flops"] = (fl["encode"] * n / len(ids) + n * spec["steps"] * fl["ODE"] / mb
-                          + n * fl["decode"] / min(spec["decode_batch"], mb) + fl["rewards"])
+                          + n * fl["decode"] / min(spec["decode_batch"], mb) + n * fl["rewards"] / mb)
     out["nfe"] = n * spec["steps"]
     return out
 
