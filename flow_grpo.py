@@ -292,6 +292,7 @@ if __name__ == "__main__":
             x0_hats = torch.stack([latents[i] - sigmas[i] * sampler_velocities[i] for i in range(T)])
             advantages = coca_credit(advantages, x0_hats, latents[T], window=args.coca_window,
                                      alpha=args.coca_alpha, group_size=G, trained=n_train)
+            advantages = advantages.clamp(-args.adv_clip, args.adv_clip)  # clipped again, as CoCA's loss
         else:  # Flow-GRPO: every step gets the image's advantage
             advantages = advantages.expand(T, -1)
 
