@@ -69,9 +69,12 @@ COMMANDS = [
     ("1 GPU: G2RPO, FLUX.1-dev (LoRA)", "g2rpo", "--lambdas 1 2 3 " + LORA_1GPU, 1),
 ]
 # evaluate.py's evaluation of FLUX.1-dev, modelled with common.evaluate_policy's phases
-EVALUATE = dict(name="evaluate.py, FLUX.1-dev, 1024 px, 50 steps, 400 prompts, 8 GPUs", kind="flux",
-                resolution=1024, steps=50, prompts=400, world=8, chunk=16, micro_batch=4, decode_batch=4,
+EVALUATE = dict(name="evaluate.py, FLUX.1-dev, 720 px, 50 steps, 400 prompts, 8 GPUs", kind="flux",
+                resolution=720, steps=50, prompts=400, world=8, chunk=16, micro_batch=4, decode_batch=4,
                 max_sequence_length=512, guidance=3.5, rewards=("hps", "clip", "pickscore", "imagereward"))
+# ... and at its defaults, G2RPO's and MixGRPO's evaluation protocol (1024 px)
+EVALUATIONS = [EVALUATE, {**EVALUATE, "name": "evaluate.py, FLUX.1-dev, 1024 px, 50 steps, 400 prompts, 8 GPUs",
+                          "resolution": 1024}]
 REWARD_TABLE = ("hps", "clip", "pickscore", "imagereward", "aesthetic")  # the reward models' own table
 REWARD_BATCH = 12
 PEAK_TFLOPS = {"A100": 312, "H100": 989}  # dense bf16 tensor-core peaks (SXM)
@@ -781,8 +784,8 @@ def reward_models(tiny=False, names=REWARD_TABLE, batch=REWARD_BATCH):
 def estimate_evaluate(spec=EVALUATE, tiny=False):
     """evaluate.py's evaluation on one of spec["world"] GPUs, as common.evaluate_policy runs it: this rank's
     prompts encoded `chunk` at a time, the ODE in micro-batches with the bf16 transformer (no adapters),
-    decoded 4 at a time per micro-batch, each micro-batch's images scored by each reward in float32 (its
-    defaults: G2RPO's and MixGRPO's evaluation at 1024 px, micro-batch 4)."""
+    decoded 4 at a time per micro-batch, each micro-batch's images scored by each reward in float32 (as
+    evaluate.py, micro-batch 4 by default)."""
     import common
 
     kind, world, n = spec["kind"], spec["world"], spec["prompts"] // spec["world"]
@@ -902,20 +905,21 @@ def report(estimates, path, seconds_taken, rewards_table=None, evaluation=None):
                          f"{b['peak'] / GIB:.2f} | {f32['resident'] / GIB:.2f} | {f32['peak'] / GIB:.2f} | "
                          f"{b['flops'] / REWARD_BATCH / 1e9:,.0f} |")
     if evaluation:
-        ev, spec = evaluation, EVALUATE
+        ev, spec = evaluation[0], EVALUATE
         lines += [
             "", "## Evaluation alone (evaluate.py), per GPU", "",
             f"common.evaluate_policy's phases for one rank's {ev['n']} prompts: encoded {spec['chunk']} at a "
             f"(the text encoders on the GPU), the ODE ({spec['steps']} steps, {ev['nfe']:,} NFE) in "
             f"of {spec['micro_batch']} with the bf16 transformer, decoded {spec['decode_batch']} at a time, "
-            f"every image scored at once by {', '.join(spec['rewards'])} in float32.", "",
+            f"each micro-batch's images scored by {', '.join(spec['rewards'])} in float32.", "",
             "| command | GPUs | resident | encode | ODE | decode | rewards | **peak** | TFLOP / rank | "
             f"seconds, A100 / H100 at {MFU:.0%} MFU |", "|---|---|---|---|---|---|---|---|---|---|"]
-        res = sum(v for k, v in ev["bytes"].items() if not k.startswith("text"))
-        phases = " | ".join(f"{ev['peak'][k] / GIB:.1f}" for k in ("encode", "ODE", "decode", "rewards"))
-        lines.append(f"| {ev['name']} | {ev['world']} | {res / GIB:.1f} | {phases} | "
-                     f"**{max(ev['peak'].values()) / GIB:.1f}** | {ev['total_flops'] / 1e12:,.0f} | "
-                     + " / ".join(f"{seconds(ev['total_flops'], g):,.0f}" for g in gpus) + " |")
+        for ev in evaluation:
+            res = sum(v for k, v in ev["bytes"].items() if not k.startswith("text"))
+            phases = " | ".join(f"{ev['peak'][k] / GIB:.1f}" for k in ("encode", "ODE", "decode", "rewards"))
+            lines.append(f"| {ev['name']} | {ev['world']} | {res / GIB:.1f} | {phases} | "
+                         f"**{max(ev['peak'].values()) / GIB:.1f}** | {ev['total_flops'] / 1e12:,.0f} | "
+                         + " / ".join(f"{seconds(ev['total_flops'], g):,.0f}" for g in gpus) + " |")
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
@@ -973,9 +977,9 @@ def main():
         print(f"{name}: peak {peak(e):.1f} GiB ({peak_phase(e)}, {time.time() - t0:.0f} s)", flush=True)
     table = reward_models(a.tiny)
     print(f"reward models ({time.time() - t0:.0f} s)", flush=True)
-    evaluation = estimate_evaluate(tiny=a.tiny)
-    top = max(evaluation["peak"].values()) / GIB
-    print(f"{evaluation['name']}: peak {top:.1f} GiB ({time.time() - t0:.0f} s)", flush=True)
+    evaluation = [estimate_evaluate(spec, tiny=a.tiny) for spec in EVALUATIONS]
+    for ev in evaluation:
+        print(f"{ev['name']}: peak {max(ev['peak'].values()) / GIB:.1f} GiB ({time.time() - t0:.0f} s)", flush=True)
     report(estimates, a.out, time.time() - t0, table, evaluation)
 
 

@@ -117,7 +117,8 @@ def test_estimate_script_writes_every_command(tmp_path):
         assert text.count(f"| {name} |") == 3, name  # the peak, the resident and the before/after tables
     for name in estimate.REWARD_TABLE:
         assert text.count(f"| {name} |") == 1, name
-    assert text.count(f"| {estimate.EVALUATE['name']} |") == 1
+    for spec in estimate.EVALUATIONS:
+        assert text.count(f"| {spec['name']} |") == 1
     rows = estimate.read_table(str(out))
     assert set(rows) == {c[0] for c in estimate.COMMANDS}
     assert all(set(estimate.PHASES) <= set(r) for r in rows.values())
