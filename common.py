@@ -497,13 +497,17 @@ def check_rewards(names, models: RewardModels):
                 fail(f"{flag} {spec!r} does not exist; pass an existing path or a hub id")
 
 
-def load_safely(path: str):
+def load_safely(path: str, *, what: str = "weights"):
     """Weights from safetensors, or a pickle read with weights_only=True (a downloaded pickle cannot run
-    code)."""
-    if path.endswith(".safetensors"):
-        from safetensors.torch import load_file
-        return load_file(path)
-    return torch.load(path, map_location="cpu", weights_only=True)
+    code); a file that cannot be read is a one-line error naming `what` (e.g. the flag that gave it)."""
+    try:
+        if path.endswith(".safetensors"):
+            from safetensors.torch import load_file
+            return load_file(path)
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # a truncated download, another format, a pickle with code in it
+        reason = (str(e).strip().splitlines() or [""])[0][:160]
+        fail(f"{what} {path!r} cannot be read ({type(e).__name__}: {reason})")
 
 
 def jpeg_compressibility(images, prompts):
@@ -561,12 +565,19 @@ def load_prompt_set(path: str, *, split: str = "train") -> list[str]:
              f"come from (or pass any text file with one prompt per line)")
     try:
         with open(path, encoding="utf-8") as f:
-            lines = [line.strip() for line in f if line.strip()]
-        prompts = [json.loads(line)["prompt"] for line in lines] if path.endswith(".jsonl") else lines
+            lines = [(n, line.strip()) for n, line in enumerate(f, 1) if line.strip()]
     except UnicodeDecodeError as e:
         fail(f"prompt file {path!r} is not UTF-8 text (byte {e.start}); save it as UTF-8, a prompt per line")
-    except (json.JSONDecodeError, KeyError, TypeError):
-        fail(f"prompt file {path!r}: each line of a .jsonl file must be a JSON object with a prompt field")
+    if not path.endswith(".jsonl"):
+        prompts = [line for _, line in lines]
+    else:
+        prompts = []
+        for n, line in lines:
+            try:
+                prompts.append(json.loads(line)["prompt"])
+            except (json.JSONDecodeError, KeyError, TypeError):
+                fail(f"line {n} of prompt file {path!r} is not a JSON object with a prompt field; each line "
+                     f"of a .jsonl file must be one")
     if not prompts:
         fail(f"prompt file {path!r} is empty; it needs at least one prompt (one per line)")
     return prompts
@@ -960,7 +971,7 @@ def load_state(path: str, *, transformer, optimizer, params: dict, sharded: bool
                        optim_state_dict=shards["optim"])
         saved_ema = None
     else:
-        state = load_safely(os.path.join(path, "state.pt"))
+        state = load_safely(os.path.join(path, "state.pt"), what="the checkpoint")
         with torch.no_grad():
             for n, p in params.items():
                 p.copy_(state["trainable"][n])

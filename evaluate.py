@@ -267,11 +267,12 @@ if __name__ == "__main__":
 
     use_bf16 = args.mixed_precision == "bf16" and device.type == "cuda"
     compute_dtype = torch.bfloat16 if use_bf16 else torch.float32
+    # the metrics first: a reward file that cannot be read fails before the large model loads
+    rewards = load_rewards(args.metrics, device, models=args.reward_models, dtype=torch.float32)
     pipe, kind = load_pipeline(args.model, device, dtype=compute_dtype)
     base = pipe.transformer
     C, H, W = latent_shape(pipe, kind, args.resolution)
     sigmas = pipeline_sigmas(pipe, kind, num_steps=args.steps, image_tokens=H * W // 4)
-    rewards = load_rewards(args.metrics, device, models=args.reward_models, dtype=torch.float32)
 
     # this rank's contiguous share of the pairs, padded with the last pair to equal shares
     share = -(-len(pairs) // world)

@@ -191,13 +191,14 @@ if __name__ == "__main__":
     eval_prompts = load_prompt_set(args.eval_prompts, split="test")
     use_bf16 = args.mixed_precision == "bf16" and device.type == "cuda"
     compute_dtype = torch.bfloat16 if use_bf16 else torch.float32
-    pipe, kind = load_pipeline(args.model, device, dtype=compute_dtype)
-    transformer = pipe.transformer
-    C, H, W = latent_shape(pipe, kind, args.resolution)
+    # the rewards first: a reward file that cannot be read fails before the large model loads
     weights = dict(zip(args.rewards, args.reward_weights or [1.0] * len(args.rewards)))
     eval_fns = load_rewards(args.rewards + args.eval_rewards, device, models=args.reward_models,
                             dtype=compute_dtype)
     reward_fns = {k: eval_fns[k] for k in args.rewards}
+    pipe, kind = load_pipeline(args.model, device, dtype=compute_dtype)
+    transformer = pipe.transformer
+    C, H, W = latent_shape(pipe, kind, args.resolution)
     # FSDP2 across ranks; LoRA runs average their gradients (DDP style)
     sharded = args.full_finetune and world > 1
     params, ref_model = make_trainable(

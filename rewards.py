@@ -68,6 +68,18 @@ def _clip_preprocess(images, size: int, mean, std, pad_square: bool):
     return (x - mean) / std
 
 
+def load_strictly(module, state: dict, *, what: str):
+    """module.load_state_dict(state, strict=True), a mismatch being a one-line error that names `what`."""
+    try:
+        missing, unexpected = module.load_state_dict(state, strict=False)
+    except RuntimeError as e:  # a tensor of another shape
+        fail(f"{what} does not fit the model ({str(e).strip().splitlines()[-1].strip()[:160]}); is it the "
+             f"right file?")
+    if missing or unexpected:
+        fail(f"{what} does not fit the model: {len(missing)} missing keys ({', '.join(missing[:3])}), "
+             f"{len(unexpected)} unexpected ({', '.join(unexpected[:3])}); is it the right file?")
+
+
 def float32_head(owner, name: str):
     """Take the projection owner.<name> (a matrix or a Linear) out of a tower about to run in bf16, so that it
     runs in float32 on the tower's output instead: fn(features) -> float32 features."""
@@ -95,8 +107,8 @@ def open_clip_reward(name: str, device, checkpoint: str | None = None, *, pad_sq
     except Exception as e:
         fail(f"cannot load open_clip model {name!r} ({str(e).splitlines()[0][:200]}); pass a local directory")
     if checkpoint:
-        state = load_safely(checkpoint)
-        model.load_state_dict(state.get("state_dict", state), strict=True)
+        state = load_safely(checkpoint, what="--hps-checkpoint")
+        load_strictly(model, state.get("state_dict", state), what=f"--hps-checkpoint {checkpoint!r}")
     model.eval().requires_grad_(False).to(device)
     image_head, text_head = float32_head(model.visual, "proj"), float32_head(model, "text_projection")
     model.to(dtype)
@@ -168,9 +180,12 @@ def imagereward_reward(checkpoint: str, med_config: str, tokenizer: str, device,
 
     from transformers import BertTokenizer, BlipTextConfig, BlipTextModel, BlipVisionConfig, BlipVisionModel
 
-    state = load_safely(hub_file(checkpoint, "--imagereward-checkpoint"))
-    with open(hub_file(med_config, "--imagereward-med-config")) as f:
-        med = json.load(f)
+    state = load_safely(hub_file(checkpoint, "--imagereward-checkpoint"), what="--imagereward-checkpoint")
+    try:
+        with open(hub_file(med_config, "--imagereward-med-config")) as f:
+            med = json.load(f)
+    except (OSError, ValueError) as e:
+        fail(f"--imagereward-med-config {med_config!r} cannot be read as JSON ({type(e).__name__})")
     try:
         tok = BertTokenizer.from_pretrained(tokenizer)
     except Exception as e:
@@ -212,7 +227,7 @@ def imagereward_reward(checkpoint: str, med_config: str, tokenizer: str, device,
     shapes = [head_sd[f"{i}.weight"].shape for i in range(len(heads))]
     head = torch.nn.Sequential(*[torch.nn.Linear(n_in, n_out) for n_out, n_in in shapes])
     for module, sd in ((vision, vision_sd), (text, text_sd), (head, head_sd)):
-        module.load_state_dict(sd, strict=True)
+        load_strictly(module, sd, what=f"--imagereward-checkpoint {checkpoint!r}")
         module.eval().requires_grad_(False).to(device, dtype if module is not head else torch.float32)
     size = vision.config.image_size
     clip_mean, clip_std = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)
@@ -240,12 +255,12 @@ def aesthetic_reward(head: str, clip_model: str, device, *, dtype=torch.float32)
     float32."""
     from transformers import CLIPImageProcessor, CLIPModel
 
+    state = load_safely(hub_file(head, "--aesthetic-head"), what="--aesthetic-head")  # the small file first
     try:
         ip = CLIPImageProcessor.from_pretrained(clip_model)
         model = CLIPModel.from_pretrained(clip_model).eval().requires_grad_(False)
     except Exception as e:
         fail(f"cannot load the aesthetic CLIP {clip_model!r} ({type(e).__name__}); pass --aesthetic-clip")
-    state = load_safely(hub_file(head, "--aesthetic-head"))
     linear = (0, 2, 4, 6, 7)  # the Linear layers between the dropouts of the official nn.Sequential
     if sorted(state) != sorted(f"layers.{i}.{p}" for i in linear for p in ("weight", "bias")) or \
             state["layers.0.weight"].shape[1] != model.config.projection_dim:

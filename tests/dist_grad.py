@@ -1,9 +1,13 @@
-"""The gradient of the PPO-clip + KL loss through common.velocity on a fixed batch of 4, on tiny Flux full fine-tuning.
+"""The gradient of the PPO-clip + KL loss through common.velocity on a fixed batch of 4, on tiny Flux, and the
+weights after one common.optimizer_step (AdamW, norm clipping) with it.
 
-    python tests/dist_grad.py OUT.pt [--checkpointing] [--bf16]              # one process, the whole batch
-    torchrun --nproc_per_node 2 tests/dist_grad.py OUT.pt [...]              # FSDP2, each rank half of the batch
+    python tests/dist_grad.py OUT.pt [--checkpointing] [--bf16] [--lora]     # one process, the whole batch
+    torchrun --nproc_per_node 2 tests/dist_grad.py OUT.pt [...]              # each rank half of the batch: FSDP2
+                                                                             # (full fine-tuning) or DDP-style LoRA
 
-Writes {parameter name: full gradient} (rank 0). tests/test_memory.py compares the files.
+Writes {"grads": {name: full gradient}, "before" / "updated": {name: trainable weight before / after the step}}
+(rank 0);
+tests/test_memory.py compares the files.
 """
 import os
 import sys
@@ -12,8 +16,8 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "toy")]
-from common import (as_reference, make_trainable, sde_mean_std, sde_step, select, setup_distributed,  # noqa: E402
-                    shifted_sigmas, velocity)
+from common import (as_reference, make_trainable, optimizer_step, sde_mean_std, sde_step, select,  # noqa: E402
+                    setup_distributed, shifted_sigmas, velocity)
 from tiny import build_flux  # noqa: E402
 
 if __name__ == "__main__":
@@ -24,11 +28,19 @@ if __name__ == "__main__":
         for p in transformer.parameters():
             p.add_(0.01 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
     amp = torch.bfloat16 if "--bf16" in sys.argv else None
-    params, ref = make_trainable(transformer, "flux", lora_rank=4, lora_alpha=8, full_finetune=True, reference=True,
-                                 sharded=world > 1, compute_dtype=amp, checkpointing="--checkpointing" in sys.argv)
+    lora = "--lora" in sys.argv
+    sharded = world > 1 and not lora
+    params, ref = make_trainable(transformer, "flux", lora_rank=4, lora_alpha=8, full_finetune=not lora,
+                                 reference=True, sharded=sharded, compute_dtype=amp,
+                                 checkpointing="--checkpointing" in sys.argv)
     with torch.no_grad():
-        for p in ref.parameters():
-            p.mul_(0.99)
+        if ref is not None:  # full fine-tuning: a frozen copy, made to differ from the policy
+            for p in ref.parameters():
+                p.mul_(0.99)
+        else:  # LoRA: the reference is the model without adapters, so make the adapters non-zero
+            g0 = torch.Generator().manual_seed(2)
+            for p in params.values():
+                p.copy_(0.01 * torch.randn(p.shape, generator=g0))
     transformer.train()
     g = torch.Generator().manual_seed(1)
     n = 4
@@ -47,9 +59,14 @@ if __name__ == "__main__":
     ratio, adv = torch.exp(log_prob - log_prob.detach()), advantages[rows]
     loss = torch.max(-adv * ratio, -adv * ratio.clamp(1 - 1e-4, 1 + 1e-4)).mean() + 0.04 * kl
     loss.backward()  # FSDP2 averages the ranks' gradients: the mean over the whole batch
-    grads = {name: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).float()
-             for name, p in transformer.named_parameters()}
+    full = lambda t: (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().float().clone()  # noqa: E731
+    grads = {name: full(p.grad) for name, p in params.items()}  # before the step averages LoRA's over ranks
+    before = {name: full(p) for name, p in params.items()}
+    optimizer = torch.optim.AdamW(params.values(), lr=1e-3, weight_decay=1e-4)
+    optimizer_step(params, optimizer, max_grad_norm=1.0, sharded=sharded, has_gradient=True)
+    updated = {name: full(p) for name, p in params.items()}
     if rank == 0:
-        torch.save(grads, sys.argv[1])
+        torch.save({"grads": grads, "before": before, "updated": updated}, sys.argv[1])
     if world > 1:
+        torch.distributed.barrier()  # rank 0 has written the file before any rank leaves
         torch.distributed.destroy_process_group()

@@ -215,3 +215,31 @@ def test_help(script):
     head = subprocess.run(f"{sys.executable} {os.path.join(ROOT, script)} --help | head -3", shell=True,
                           capture_output=True, text=True)
     assert head.returncode == 0 and "Traceback" not in head.stderr and "BrokenPipe" not in head.stderr
+
+
+def test_a_broken_jsonl_line_is_a_one_line_error(tmp_path):
+    path = tmp_path / "test_metadata.jsonl"
+    path.write_text('{"prompt": "a red circle"}\n{"prompt": "a blue\n')
+    with pytest.raises(SystemExit, match=r"line 2 of .*test_metadata.jsonl"):
+        load_prompt_set(str(path), split="test")
+    path.write_text('{"prompt": "a red circle"}\n{"caption": "no prompt field"}\n')
+    with pytest.raises(SystemExit, match=r"line 2 of .*test_metadata.jsonl"):
+        load_prompt_set(str(path), split="test")
+
+
+@pytest.mark.parametrize("flag,reward,content", [
+    ("hps_checkpoint", "hps", b"not a checkpoint"),
+    ("aesthetic_head", "aesthetic", b"\x80\x04 truncated pickle"),
+])
+def test_unreadable_reward_weights_are_one_line_errors_before_the_model_loads(tmp_path, flag, reward, content):
+    """A corrupt weight file stops the run with one line naming the flag; the rewards load before the pipeline,
+    so the nonexistent --model is never reached."""
+    bad = tmp_path / "weights.pt"
+    bad.write_bytes(content)
+    paths = tiny_model_dirs(str(tmp_path / "tiny"))
+    flags = tiny_flags(str(tmp_path / "no-such-model"), paths["prompts"], tmp_path / "o", rewards=reward,
+                       **{flag.replace("_", "-"): str(bad), "aesthetic_clip": str(tmp_path)})
+    out = run_script("flow_grpo.py", flags, check=False)
+    last = out.stderr.strip().splitlines()[-1]
+    assert out.returncode == 1 and last.startswith(f"error: --{flag.replace('_', '-')} ") and "cannot be read" in last, \
+        out.stderr[-2000:]

@@ -5,12 +5,7 @@ import pytest
 import torch
 
 import densegrpo
-from helpers import check_args, read_metrics, run_script, tiny_flags, tiny_model_dirs
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return tiny_model_dirs(str(tmp_path_factory.mktemp("tiny")))
+from helpers import check_args, read_metrics, run_script, tiny_flags
 
 
 def test_dense_rewards_telescope_exactly():
@@ -112,6 +107,9 @@ def test_bad_psi_files(tmp_path):
     (tmp_path / "broken.json").write_text('{"psi": [0.7, ')
     with pytest.raises(SystemExit, match=r"cannot be read as JSON \(JSONDecodeError\); write one with --calibrate"):
         densegrpo.load_psi(str(tmp_path / "broken.json"), 2)
+    (tmp_path / "latin1.json").write_bytes('{"psi": [0.7, 0.7]} \u00e9'.encode("latin-1"))  # not UTF-8
+    with pytest.raises(SystemExit, match=r"cannot be read as JSON \(UnicodeDecodeError\); write one with --calibrate"):
+        densegrpo.load_psi(str(tmp_path / "latin1.json"), 2)
     (tmp_path / "words.json").write_text('{"psi": ["a", "b"]}')
     with pytest.raises(SystemExit, match="holds no list of numbers"):
         densegrpo.load_psi(str(tmp_path / "words.json"), 2)

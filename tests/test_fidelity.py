@@ -14,16 +14,11 @@ import densegrpo
 import flow_grpo
 from common import (LORA_TARGETS, ema_update, make_trainable, pipeline_sigmas, sde_mean_std, shifted_sigmas,
                     spaced_indices, velocity)
-from helpers import ROOT, read_metrics, run_script, tiny_flags, tiny_model_dirs
+from helpers import ROOT, read_metrics, run_script, tiny_flags
 from tiny import build_flux, build_sd3
 
 SD3_T10 = [1.0, 0.9601, 0.9133, 0.8577, 0.7904, 0.7073, 0.6022, 0.4649, 0.2780, 0.0089, 0.0]  # diffusers, shift 3
 FLUX_512_T6 = [1.0, 0.9037, 0.7897, 0.6525, 0.4842, 0.2730, 0.0]  # FLUX.1-dev's config, mu = calculate_shift(1024)
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return tiny_model_dirs(str(tmp_path_factory.mktemp("tiny")))
 
 
 def test_pipeline_schedules():

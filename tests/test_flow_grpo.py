@@ -6,12 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import read_metrics, run_script, tiny_flags, tiny_model_dirs
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return tiny_model_dirs(str(tmp_path_factory.mktemp("tiny")))
+from helpers import read_metrics, run_script, tiny_flags
 
 
 @pytest.mark.parametrize("kind", ["flux", "sd3"])
@@ -249,3 +244,26 @@ def test_prompt_encoding_moves_the_text_encoders_once_per_call():
     emb = encode_prompts(pipe, "flux", [f"prompt {i}" for i in range(40)], max_sequence_length=16)
     assert calls == [16, 16, 8] and emb["embeds"].shape == (40, 16, 8)
     assert moves == [(0, "cuda:0"), (1, "cuda:0"), (0, "cpu"), (1, "cpu")]
+
+
+@pytest.mark.slow
+def test_metrics_count_every_rank_when_the_ranks_differ(tmp_path):
+    """2 ranks, one prompt each, trained on the 0/1 toy_strict without KL: a group whose samples all score the same
+    has zero advantages and skips its training forwards, so the ranks do different work. perf/nfe_per_iteration is
+    the sum over the ranks (rank 0's count times 2 would be wrong in exactly these iterations)."""
+    import dataclasses
+
+    import flow_grpo
+
+    flags = ["--model", "toy", "--rewards", "toy_strict", "--eval-rewards", "--prompts-per-iteration", "2",
+             "--num-iterations", "6", "--eval-every", "0", "--save-every", "0", "--beta", "0", "--no-full-finetune",
+             "--lora-rank", "4", "--lora-alpha", "8", "--log-images-every", "0", "--output-dir", str(tmp_path)]
+    run_script("flow_grpo.py", flags, nproc=2)
+    _, m = read_metrics(tmp_path)
+    plan = flow_grpo.planned_nfe(dataclasses.replace(flow_grpo.Args(), **{**flow_grpo.TOY, "beta": 0.0}))  # per prompt
+    uneven = 0
+    for it in range(1, 7):
+        busy = round(2 * (1 - m[it]["reward/zero_std_fraction"]))  # groups with a reward spread
+        assert m[it]["perf/nfe_per_iteration"] == 2 * plan["rollout"] + busy * plan["train"], (it, m[it])
+        uneven += busy == 1
+    assert uneven > 0  # at least one iteration where one rank trained and the other did not

@@ -2,12 +2,7 @@
 import pytest
 
 import g2rpo
-from helpers import check_args, read_metrics, run_script, tiny_flags, tiny_model_dirs
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return tiny_model_dirs(str(tmp_path_factory.mktemp("tiny")))
+from helpers import check_args, read_metrics, run_script, tiny_flags
 
 
 def g2_flags(tiny, out, kind="flux", **over):
