@@ -194,7 +194,7 @@ def run_all(a):
     running, failed, t0 = {}, [], time.time()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit("interrupted; run the same command again to resume"))
     try:
-        loop(a, iters, todo, running, failed, env, t0)
+        loop(a, iters, todo=todo, running=running, failed=failed, env=env, t0=t0)
     finally:  # never leave runs behind: a rerun resumes them from their checkpoints
         for p, _, log in running.values():
             p.terminate()
@@ -213,7 +213,7 @@ def unblock_sigterm():
     signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGTERM])
 
 
-def loop(a, iters, todo, running, failed, env, t0):
+def loop(a, iters, *, todo, running, failed, env, t0):
     while todo or running:
         while todo and len(running) < a.workers:
             c, s = todo.pop(0)
