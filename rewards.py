@@ -45,7 +45,7 @@ def load(name: str, device, *, models: RewardModels, dtype=torch.float32):
     fail(f"{name!r} is not a reward model of rewards.py")
 
 
-def _clip_preprocess(images, size: int, mean, std, pad_square: bool):
+def _clip_preprocess(images, size: int, mean, std, *, pad_square: bool):
     """Resize the longest side to `size` and pad (HPS's ResizeMaxSize, sizes rounded), or the shortest side
     and centre-crop (torchvision's and CLIP's processors: sizes truncated, the crop offset rounded);
     normalise."""
@@ -118,7 +118,8 @@ def open_clip_reward(name: str, device, checkpoint: str | None = None, *, pad_sq
 
     @torch.no_grad()
     def score(images, prompts):
-        x = _clip_preprocess(images.to(device), size, cfg["mean"], cfg["std"], pad_square).to(dtype)
+        x = _clip_preprocess(images.to(device), size, cfg["mean"], cfg["std"], pad_square=pad_square)
+        x = x.to(dtype)
         img = torch.nn.functional.normalize(image_head(model.encode_image(x)), dim=-1)
         txt = text_head(model.encode_text(tokenizer(list(prompts)).to(device)))
         return (img * torch.nn.functional.normalize(txt, dim=-1)).sum(-1)
@@ -146,7 +147,7 @@ def pickscore_reward(model_path: str, processor_path: str, device, *, dtype=torc
 
     @torch.no_grad()
     def score(images, prompts):
-        x = _clip_preprocess(images.to(device), size, ip.image_mean, ip.image_std, False).to(dtype)
+        x = _clip_preprocess(images.to(device), size, ip.image_mean, ip.image_std, pad_square=False).to(dtype)
         tok = processor.tokenizer(list(prompts), padding="max_length", truncation=True, max_length=77,
                                   return_tensors="pt").to(device)
         img = torch.nn.functional.normalize(image_head(vision(pixel_values=x).pooler_output.float()), dim=-1)
@@ -237,7 +238,7 @@ def imagereward_reward(checkpoint: str, med_config: str, tokenizer: str, device,
 
     @torch.no_grad()
     def score(images, prompts):
-        x = _clip_preprocess(images.to(device), size, clip_mean, clip_std, False).to(dtype)
+        x = _clip_preprocess(images.to(device), size, clip_mean, clip_std, pad_square=False).to(dtype)
         t = tokenize(prompts).to(device)
         image_tokens = vision(pixel_values=x).last_hidden_state  # every token attended to, as the original
         cls = text(input_ids=t.input_ids, attention_mask=t.attention_mask, encoder_hidden_states=image_tokens,
@@ -276,7 +277,7 @@ def aesthetic_reward(head: str, clip_model: str, device, *, dtype=torch.float32)
 
     @torch.no_grad()
     def score(images, prompts):
-        x = _clip_preprocess(images.to(device), size, ip.image_mean, ip.image_std, False).to(dtype)
+        x = _clip_preprocess(images.to(device), size, ip.image_mean, ip.image_std, pad_square=False).to(dtype)
         embedding = image_head(vision(pixel_values=x).pooler_output.float())
         return mlp(torch.nn.functional.normalize(embedding, dim=-1)).squeeze(-1)
 

@@ -89,7 +89,7 @@ def _bos_eos(**kw):  # token ids of toy/tiny.py's word tokenizers (pad 0, bos 1,
     return dict(pad_token_id=0, bos_token_id=1, eos_token_id=3, **kw)
 
 
-def architectures(kind: str, tiny: bool):
+def architectures(kind: str, *, tiny: bool):
     """(transformer, [text encoders], vae) constructors for FLUX.1-dev / SD3.5-M (FluxPipeline's CLIP-L and
     T5-XXL; SD3's CLIP-L and CLIP-G with projections and T5-XXL), or toy/tiny.py's tiny pipelines' modules."""
     from diffusers import AutoencoderKL, FluxTransformer2DModel, SD3Transformer2DModel
@@ -143,7 +143,7 @@ OPENAI_MEAN, OPENAI_STD = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26
 IMAGEREWARD_HEAD = (1024, 128, 64, 16, 1)  # the MLP after BERT's [CLS] feature (768 -> ... -> 1)
 
 
-def reward_spec(name: str, tiny: bool):
+def reward_spec(name: str, *, tiny: bool):
     """The architecture of a learned reward model (None for jpeg and the toy world's): family, configs, input
     size. hps: open_clip ViT-H-14 at 224 (HPS-v2.1); clip: ViT-H-14 at 384 (DFN5B, quick GELU); pickscore:
     transformers CLIP-H/14; imagereward: BLIP ViT-L/16 at 224 (24 x 1024, 16 heads) and BERT-base with
@@ -253,7 +253,8 @@ class RewardTowers(torch.nn.Module):
 
         normalize = torch.nn.functional.normalize
         s = self.spec
-        x = rewards._clip_preprocess(images, s["size"], OPENAI_MEAN, OPENAI_STD, s.get("pad_square", False))
+        x = rewards._clip_preprocess(images, s["size"], OPENAI_MEAN, OPENAI_STD,
+                                     pad_square=s.get("pad_square", False))
         x = x.to(self.dtype)
         if self.family == "open_clip":
             img = normalize(self.towers.encode_image(x).float() @ self.heads[0], dim=-1)
@@ -275,9 +276,9 @@ class RewardTowers(torch.nn.Module):
         return self.heads[0](cls.float()).squeeze(-1)
 
 
-def reward_model(name: str, tiny: bool, dtype=torch.bfloat16):
+def reward_model(name: str, *, tiny: bool, dtype=torch.bfloat16):
     """A constructor of the reward's RewardTowers (towers in `dtype`, heads in float32), or None."""
-    spec = reward_spec(name, tiny)
+    spec = reward_spec(name, tiny=tiny)
     return None if spec is None else functools.partial(RewardTowers, spec, dtype)
 
 
@@ -327,7 +328,7 @@ def _tracker():
     return Tracker()
 
 
-def measure(fn, live, flops=True):
+def measure(fn, live, *, flops=True):
     """(peak bytes with `live` tensors / modules resident, FLOPs or None) of fn()."""
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -438,14 +439,14 @@ def appends_unguarded(path: str, name: str, flag: str) -> bool:
         tree = ast.parse(f.read())
     found = []
 
-    def visit(node, guarded):
+    def visit(node, *, guarded):
         for child in ast.iter_child_nodes(node):
             if isinstance(child, ast.Call) and ast.unparse(child.func) == f"{name}.append":
                 found.append(guarded)
             test = isinstance(node, ast.If) and child in node.body and flag in ast.unparse(node.test)
             inside = guarded or test
-            visit(child, inside)
-    visit(tree, False)
+            visit(child, guarded=inside)
+    visit(tree, guarded=False)
     return any(not g for g in found)
 
 
@@ -471,7 +472,7 @@ def rollout_steps(mod, script: str, args) -> dict:
     return {"latents": T + 1, "log_probs": T, "velocities": velocities}
 
 
-def estimate(name, script, argv, world, tiny=False, undo=(), phases=None):
+def estimate(name, script, argv, world, *, tiny=False, undo=(), phases=None):
     """One command's per-rank phases: {"peak": {phase: bytes}, "flops": {phase: FLOPs}, "bytes": resident
     parts, ...}. `undo`: changes of UNDO to revert (measured ones); `phases`: run only these."""
     import tyro
@@ -488,7 +489,7 @@ def estimate(name, script, argv, world, tiny=False, undo=(), phases=None):
     mb, bf16, sharded = min(args.micro_batch, P * G), torch.bfloat16, args.full_finetune and world > 1
     checkpointing = args.gradient_checkpointing and "activation checkpointing" not in undo
     fp32_gathers = sharded and "bf16 compute weights" in undo  # the old policy: float32 weights gathered
-    make_t, text_cls, vae_cls = architectures(kind, tiny)
+    make_t, text_cls, vae_cls = architectures(kind, tiny=tiny)
     f = 2 if tiny else 8
     C, H, W, R = (4 if tiny else 16), args.resolution // f, args.resolution // f, args.resolution
     if tiny:
@@ -537,7 +538,7 @@ def estimate(name, script, argv, world, tiny=False, undo=(), phases=None):
                              "(pass --beta 0)")
     vae = build(vae_cls, bf16).requires_grad_(False)
     pipe = type("Pipe", (), {"vae": vae})()
-    loaded = {r: reward_model(r, tiny) for r in dict.fromkeys(args.rewards + args.eval_rewards)}
+    loaded = {r: reward_model(r, tiny=tiny) for r in dict.fromkeys(args.rewards + args.eval_rewards)}
     loaded = {r: build(m) for r, m in loaded.items() if m is not None}
     trained_rewards = {r: m for r, m in loaded.items() if r in args.rewards}
     texts = [build(c, bf16).requires_grad_(False) for c in text_cls]
@@ -750,7 +751,7 @@ def seconds(flops, gpu: str) -> float:
     return flops / (PEAK_TFLOPS[gpu] * 1e12 * MFU)
 
 
-def startup(e, before=False):
+def startup(e, *, before=False):
     """GiB on a GPU while the model loads: the bf16 transformer (and a bf16 reference copy) before sharding;
     the old code converted to float32 first, so a whole float32 model sat on every GPU."""
     if not e["sharded"]:
@@ -761,14 +762,14 @@ def startup(e, before=False):
 
 
 # ---------------------------------------------------------------- the reward models alone, evaluate.py
-def reward_models(tiny=False, names=REWARD_TABLE, batch=REWARD_BATCH):
+def reward_models(*, tiny=False, names=REWARD_TABLE, batch=REWARD_BATCH):
     """{name: {"bf16"/"float32": {"resident": bytes, "peak": bytes, "flops": FLOPs}, "size": px}}: each model
     resident and one forward of `batch` images (at its input size) and prompts."""
     build, out = Builder(), {}
     for name in names:
-        out[name] = {"size": reward_spec(name, tiny)["size"]}
+        out[name] = {"size": reward_spec(name, tiny=tiny)["size"]}
         for label, dtype in (("bf16", torch.bfloat16), ("float32", torch.float32)):
-            m = build(reward_model(name, tiny, dtype))
+            m = build(reward_model(name, tiny=tiny, dtype=dtype))
             with build.fake:
                 size = m.spec["size"]
 
@@ -781,7 +782,7 @@ def reward_models(tiny=False, names=REWARD_TABLE, batch=REWARD_BATCH):
     return out
 
 
-def estimate_evaluate(spec=EVALUATE, tiny=False):
+def estimate_evaluate(spec=EVALUATE, *, tiny=False):
     """evaluate.py's evaluation on one of spec["world"] GPUs, as common.evaluate_policy runs it: this rank's
     prompts encoded `chunk` at a time, the ODE in micro-batches with the bf16 transformer (no adapters),
     decoded 4 at a time per micro-batch, each micro-batch's images scored by each reward in float32 (as
@@ -794,12 +795,12 @@ def estimate_evaluate(spec=EVALUATE, tiny=False):
     f = 2 if tiny else 8
     C, H, mb, bf16 = (4 if tiny else 16), res // f, min(spec["micro_batch"], n), torch.bfloat16
     txt_dim, pooled_dim = (32, 32) if tiny else (4096, 768)
-    make_t, text_cls, vae_cls = architectures(kind, tiny)
+    make_t, text_cls, vae_cls = architectures(kind, tiny=tiny)
     build = Builder()
     transformer = build(make_t, bf16).requires_grad_(False)
     vae = build(vae_cls, bf16).requires_grad_(False)
     pipe = type("Pipe", (), {"vae": vae})()
-    scorers = {r: build(reward_model(r, tiny, torch.float32)) for r in spec["rewards"]}
+    scorers = {r: build(reward_model(r, tiny=tiny, dtype=torch.float32)) for r in spec["rewards"]}
     texts = [build(c, bf16).requires_grad_(False) for c in text_cls]
     sigmas = Sigmas(common.shifted_sigmas(spec["steps"], shift=3.0).tolist())
     out = {"name": spec["name"], "world": world, "n": n, "peak": {}, "flops": {},
@@ -887,8 +888,8 @@ def report(estimates, path, seconds_taken, rewards_table=None, evaluation=None):
         calls = math.ceil(e["nfe"]["rollout"] * e["P"] / e["mb"])
         before, now = calls * 4 * e["n_params"] / GIB, 2 * e["n_params"] / GIB
         gathers = f"{before:,.0f} GiB -> {now:.0f} GiB" if e["sharded"] else "none (LoRA: weights replicated)"
-        lines.append(f"| {e['name']} | {peak(e):.1f} | " + " | ".join(cells) + " | "
-                     + ("-" if up is None else f"{startup(e, True):.1f} -> {up:.1f}") + f" | {gathers} |")
+        times = "-" if up is None else f"{startup(e, before=True):.1f} -> {up:.1f}"
+        lines.append(f"| {e['name']} | {peak(e):.1f} | " + " | ".join(cells) + f" | {times} | {gathers} |")
     if rewards_table:
         lines += [
             "", f"## Reward models: resident GiB and one forward of a {REWARD_BATCH}-image batch, bf16 "
@@ -940,7 +941,7 @@ def read_table(path: str) -> dict:
     return rows
 
 
-def undone(name, script, argv, world, tiny, e):
+def undone(name, script, argv, world, *, tiny, e):
     """The peak with each applicable change of UNDO reverted alone (re-measuring the phases it touches)."""
     a, out = e["args"], {}
     for change in UNDO:
@@ -951,7 +952,7 @@ def undone(name, script, argv, world, tiny, e):
         if change in measured:
             if measured[change] is None:
                 continue
-            again = estimate(name, script, argv, world, tiny, undo=(change,), phases=measured[change])
+            again = estimate(name, script, argv, world, tiny=tiny, undo=(change,), phases=measured[change])
             out[change] = peak({**e, "peak": {**e["peak"], **again["peak"]}})
         elif (change != "indexed embeddings" or script == "densegrpo") and (
                 change != "sharded reference" or e["bytes"]["reference (bf16)"]):
@@ -970,12 +971,12 @@ def main():
     for i, (name, script, argv, world) in enumerate(COMMANDS):
         if a.only is not None and i not in a.only:
             continue
-        e = estimate(name, script, argv, world, a.tiny)
+        e = estimate(name, script, argv, world, tiny=a.tiny)
         if not a.no_undo:
-            e["undone"] = undone(name, script, argv, world, a.tiny, e)
+            e["undone"] = undone(name, script, argv, world, tiny=a.tiny, e=e)
         estimates.append(e)
         print(f"{name}: peak {peak(e):.1f} GiB ({peak_phase(e)}, {time.time() - t0:.0f} s)", flush=True)
-    table = reward_models(a.tiny)
+    table = reward_models(tiny=a.tiny)
     print(f"reward models ({time.time() - t0:.0f} s)", flush=True)
     evaluation = [estimate_evaluate(spec, tiny=a.tiny) for spec in EVALUATIONS]
     for ev in evaluation:

@@ -145,7 +145,7 @@ def velocity_phase(phases: Phases):
 
 
 # ---------------------------------------------------------------- random models of the real sizes
-def build_pipeline(kind: str, tiny: bool, device, dtype):
+def build_pipeline(kind: str, *, tiny: bool, device, dtype):
     """A FluxPipeline / StableDiffusion3Pipeline of estimate.architectures, every module initialised on
     `device` in `dtype`, left as common.load_pipeline leaves it (frozen, eval, the text encoders on the
     CPU)."""
@@ -153,7 +153,7 @@ def build_pipeline(kind: str, tiny: bool, device, dtype):
     from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, StableDiffusion3Pipeline
     from tiny import word_tokenizer
 
-    make_t, texts, make_vae = estimate.architectures(kind, tiny)
+    make_t, texts, make_vae = estimate.architectures(kind, tiny=tiny)
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
@@ -247,7 +247,7 @@ def load_random_rewards(names, device, *, models, dtype, tiny: bool, tmp: str, p
 
     out = {}
     for name in dict.fromkeys(names):
-        spec = estimate.reward_spec(name, tiny)
+        spec = estimate.reward_spec(name, tiny=tiny)
         if spec is None:  # jpeg, the toy world's
             out[name] = ORIGINAL["load_rewards"]([name], device, models=models, dtype=dtype)[name]
             continue
@@ -381,7 +381,7 @@ def run_configuration(command, *, pipe, kind, tiny, device, tmp, prompts):
     return result
 
 
-def estimated(commands, tiny: bool, path: str) -> dict:
+def estimated(commands, *, tiny: bool, path: str) -> dict:
     """{command: {phase: GiB, "seconds, H100": s}} from an estimate.md (--tiny: written now by estimate)."""
     import estimate
 
@@ -441,7 +441,7 @@ def main():
     device = torch.device("cpu" if a.tiny else "cuda")
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, None: torch.float32 if a.tiny else torch.bfloat16}[a.dtype]
     commands = configurations(a.only)
-    figures = estimated(commands, a.tiny, a.estimate)
+    figures = estimated(commands, tiny=a.tiny, path=a.estimate)
     tmp = tempfile.mkdtemp(prefix="gpu_check-")
     prompts = os.path.join(tmp, "prompts.txt")
     with open(prompts, "w") as f:
@@ -452,7 +452,7 @@ def main():
         if not mine:
             continue
         t0 = time.time()
-        pipe = build_pipeline(kind, a.tiny, device, dtype)
+        pipe = build_pipeline(kind, tiny=a.tiny, device=device, dtype=dtype)
         builds[kind] = round(time.time() - t0, 1)
         base = fingerprint(pipe.transformer)
         for command in mine:

@@ -51,7 +51,7 @@ def test_undoing_a_change_never_lowers_the_peak():
     assert estimate.peak(e, ("text encoders off the GPU",)) == pytest.approx(
         now + e["bytes"]["text encoders (on the CPU between encodings)"] / estimate.GIB)
     assert estimate.peak(e, ("indexed embeddings",)) > now
-    undone = estimate.undone(name, script, argv, world, True, e)
+    undone = estimate.undone(name, script, argv, world, tiny=True, e=e)
     assert set(undone) >= {"activation checkpointing", "text encoders off the GPU", "indexed embeddings"}
     assert all(v >= now - 1e-9 for v in undone.values()), undone
 
@@ -97,7 +97,7 @@ def test_reward_models_and_evaluation_rows():
         assert bf16["params"] == fp32["params"] and fp32["peak"] > fp32["resident"] > bf16["resident"], name
         assert bf16["flops"] > 0
     ir = table["imagereward"]
-    heads = 4 * sum(p.numel() for p in estimate.reward_model("imagereward", True)().heads.parameters())
+    heads = 4 * sum(p.numel() for p in estimate.reward_model("imagereward", tiny=True)().heads.parameters())
     assert ir["float32"]["resident"] == pytest.approx(2 * (ir["bf16"]["resident"] - heads) + heads, rel=0.01)
     ev, spec = estimate.estimate_evaluate(tiny=True), estimate.EVALUATE
     assert ev["nfe"] == spec["prompts"] // spec["world"] * spec["steps"]

@@ -12,7 +12,7 @@ from helpers import ROOT, read_metrics, run_script, tiny_flags
 from tiny import build_flux, build_sd3
 
 
-def loss_and_grads(kind, checkpointing, lora):
+def loss_and_grads(kind, *, checkpointing, lora):
     """One PPO-clip loss through common.velocity on a fixed batch; returns the gradients and how often block 0 ran."""
     pipe = build_flux(seed=0) if kind == "flux" else build_sd3(seed=0)
     transformer = pipe.transformer
@@ -40,8 +40,8 @@ def loss_and_grads(kind, checkpointing, lora):
 
 @pytest.mark.parametrize("kind,lora", [("flux", False), ("sd3", False), ("flux", True)])
 def test_gradient_checkpointing_gives_the_same_gradients(kind, lora):
-    plain, n_plain = loss_and_grads(kind, False, lora)
-    ckpt, n_ckpt = loss_and_grads(kind, True, lora)
+    plain, n_plain = loss_and_grads(kind, checkpointing=False, lora=lora)
+    ckpt, n_ckpt = loss_and_grads(kind, checkpointing=True, lora=lora)
     assert (n_plain, n_ckpt) == (1, 2)  # checkpointing really recomputed the block in the backward pass
     assert sum(bool(g.abs().sum() > 0) for g in plain) > 0.8 * len(plain)  # (SD3: the last block ignores some inputs)
     for a, b in zip(plain, ckpt):
