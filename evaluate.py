@@ -57,8 +57,8 @@ class Args:
     # Pairs
     prompts: str = "data/hpdv2/test.txt"
     """evaluation prompts, one per line ('toy': the toy world's held-out prompts)"""
-    num_prompts: int = 0
-    """the first N prompts of the file (0: all)"""
+    num_prompts: int | None = None
+    """the first N prompts of the file (none given: all)"""
     seeds_per_prompt: int = 1
     """noise seeds per prompt"""
     seed: int = 0
@@ -184,9 +184,10 @@ def resolve_checkpoint(given: str, model: str) -> dict:
 def check_args(args) -> tuple[list[dict], list[tuple[str, int]]]:
     """Every check that needs no model: the entries to score ({"name", "path", "weights", "iteration"}) and
     the pairs (prompt, noise seed), or a one-line error."""
-    if args.num_prompts < 0 or args.seeds_per_prompt < 1:
-        fail(f"--num-prompts {args.num_prompts} / --seeds-per-prompt {args.seeds_per_prompt}: use >= 0 "
-             f"(0: all prompts) / >= 1")
+    if args.num_prompts is not None and args.num_prompts < 1:
+        fail(f"--num-prompts {args.num_prompts} is not allowed; use >= 1, or leave it out for all prompts")
+    if args.seeds_per_prompt < 1:
+        fail(f"--seeds-per-prompt {args.seeds_per_prompt} is not allowed; use >= 1")
     if args.steps < 1 or args.micro_batch < 1:
         fail(f"--steps {args.steps} / --micro-batch {args.micro_batch}: both must be >= 1")
     if not args.base and not args.checkpoints:
@@ -197,10 +198,11 @@ def check_args(args) -> tuple[list[dict], list[tuple[str, int]]]:
     if len(set(args.metrics)) < len(args.metrics):
         fail(f"--metrics {' '.join(args.metrics)} names a metric twice; name each once")
     prompts = load_prompt_set(args.prompts, split="test")
-    if args.num_prompts > len(prompts):
-        fail(f"--num-prompts {args.num_prompts} is more than the {len(prompts)} prompts of {args.prompts!r}; "
-             f"use 0 (all) or fewer")
-    prompts = prompts[:args.num_prompts or len(prompts)]
+    if args.num_prompts is not None:
+        if args.num_prompts > len(prompts):
+            fail(f"--num-prompts {args.num_prompts} is more than the {len(prompts)} prompts of "
+                 f"{args.prompts!r}; pass fewer, or none for all")
+        prompts = prompts[:args.num_prompts]
     num_pairs = len(prompts) * args.seeds_per_prompt
     pairs = [(prompts[k % len(prompts)], 10**6 * (args.seed + 1) + k) for k in range(num_pairs)]
     base = [{"name": "base", "path": args.model, "weights": "base", "iteration": None}] if args.base else []

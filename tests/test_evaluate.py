@@ -202,10 +202,10 @@ def test_bad_inputs_give_one_line_errors(tmp_path):
         (dict(prompts=p(root, "missing.txt")),
          f"prompt file '{p(root, 'missing.txt')}' does not exist; README 'Prompt sets' says where each paper's prompts "
          f"come from (or pass any text file with one prompt per line)"),
-        (dict(num_prompts=-1), "--num-prompts -1 / --seeds-per-prompt 1: use >= 0 (0: all prompts) / >= 1"),
-        (dict(seeds_per_prompt=0), "--num-prompts 0 / --seeds-per-prompt 0: use >= 0 (0: all prompts) / >= 1"),
-        (dict(num_prompts=3), f"--num-prompts 3 is more than the 2 prompts of '{p(root, 'prompts.txt')}'; use 0 (all) "
-         f"or fewer"),
+        (dict(num_prompts=0), "--num-prompts 0 is not allowed; use >= 1, or leave it out for all prompts"),
+        (dict(seeds_per_prompt=0), "--seeds-per-prompt 0 is not allowed; use >= 1"),
+        (dict(num_prompts=3), f"--num-prompts 3 is more than the 2 prompts of '{p(root, 'prompts.txt')}'; pass fewer, "
+         f"or none for all"),
         (dict(steps=0), "--steps 0 / --micro-batch 4: both must be >= 1"),
         (dict(base=False), "nothing to evaluate: pass --checkpoints, or keep --base"),
         (dict(out=p(root, "afile")), f"--out '{p(root, 'afile')}' is a file; pass a directory (scores.json and table.md "
