@@ -205,16 +205,12 @@ def dense_rewards(latent_rewards, *, baseline: bool = False):
     return r[1:] if baseline else r[1:] - r[:-1]
 
 
-def calibrate_step(psi: list, delta_r, *, eps1: float, eps2: float, psi_range, group_size: int = 0,
-                   active=None):
+def calibrate_step(psi: list, delta_r, *, eps1: float, eps2: float, psi_range, groups: int, active=None):
     """Algorithm 1, one iteration: psi(t) += eps2 where |#(Delta R_t > 0) - #(Delta R_t < 0)| < eps1, else
-    -= eps2, clamped. delta_r [N, T] holds groups of `group_size` rows: the signed count per group, averaged
-    over the groups (0: pooled over all N). Steps not `active` (taken without noise) stay."""
+    -= eps2, clamped. delta_r [N, T] holds `groups` groups of equal size: the signed count per group, averaged
+    over the groups (1: the count over all N). Steps not `active` (taken without noise) stay."""
     sign = (delta_r > 0).double() - (delta_r < 0).double()
-    if group_size:
-        imbalance = sign.view(-1, group_size, sign.shape[1]).sum(1).mean(0).abs()
-    else:
-        imbalance = sign.sum(0).abs()
+    imbalance = sign.view(groups, -1, sign.shape[1]).sum(1).mean(0).abs()
     old = torch.tensor(psi, dtype=torch.float64)
     new = (old + eps2 * (2 * (imbalance < eps1).double() - 1)).clamp(*psi_range)
     keep = torch.zeros(len(psi), dtype=torch.bool) if active is None else ~torch.tensor(active)
@@ -353,7 +349,6 @@ if __name__ == "__main__":
 
         # ALGO LOGIC: dense rewards Delta R_t = R(x_{t-1}) - R(x_t) per step, and per-step advantages
         latent_rewards = {k: torch.cat([p[k] for p in parts]).view(T + 1, P * G) for k in reward_fns}
-        # [T, P G] per reward
         dense = {k: dense_rewards(v, baseline=args.dense_baseline) for k, v in latent_rewards.items()}
         scores = {k: v[T] for k, v in latent_rewards.items()}  # the final images' rewards
         all_scores = {k: gather_cat(v.view(P, G).to(device)).cpu() for k, v in scores.items()}
@@ -368,9 +363,9 @@ if __name__ == "__main__":
         if args.calibrate:  # Algorithm 1 on every trajectory of every rank; no update
             weighted = sum(weights[k] * dense_rewards(v) for k, v in latent_rewards.items())
             delta_r = gather_cat(weighted.T.contiguous().to(device)).cpu()
-            group_size = G if args.calibration_rule == "group" else 0
+            groups = P * world if args.calibration_rule == "group" else 1  # the group rule, or all pooled
             psi = calibrate_step(psi, delta_r, eps1=args.eps1, eps2=args.eps2, psi_range=args.psi_range,
-                                 group_size=group_size, active=[a > 0 for a in noise_levels])
+                                 groups=groups, active=[a > 0 for a in noise_levels])
             history.append(psi)
             if is_main:
                 log_metrics(writer, run_dir, iteration + 1, {f"psi/step_{i}": p for i, p in enumerate(psi)})

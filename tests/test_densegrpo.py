@@ -20,7 +20,7 @@ def test_calibration_rule():
     psi = [0.7, 0.7, 0.7, 1.0, 0.1]
     delta = torch.tensor([[1.0, 1.0, 1.0, 0.5, 0.1], [-1.0, 1.0, 1.0, -0.5, 0.2], [0.0, 1.0, -1.0, 0.0, 0.3]])
     # balance |#pos - #neg| per step: 0, 3, 1, 0, 3 -> < eps1 = 2 raises psi, else lowers it; clamped to [0.1, 1.0]
-    new = densegrpo.calibrate_step(psi, delta, eps1=2, eps2=0.01, psi_range=(0.1, 1.0))
+    new = densegrpo.calibrate_step(psi, delta, eps1=2, eps2=0.01, psi_range=(0.1, 1.0), groups=1)
     assert new == pytest.approx([0.71, 0.69, 0.71, 1.0, 0.1])
 
 

@@ -195,14 +195,14 @@ def test_calibration_seeks_balance_per_group():
     mixed = torch.where(torch.arange(P * G) % G < 9, 1.0, -1.0)  # 9 of 12 up in every group
     delta = torch.stack([balanced, one_sided, -one_sided, mixed, torch.zeros(P * G)], 1)
     psi, active = [0.7] * 5, [True] * 4 + [False]  # the last step is taken without noise: left alone
-    group = densegrpo.calibrate_step(psi, delta, eps1=2, eps2=0.01, psi_range=(0.1, 1.5), group_size=G, active=active)
+    group = densegrpo.calibrate_step(psi, delta, eps1=2, eps2=0.01, psi_range=(0.1, 1.5), groups=P, active=active)
     assert group == pytest.approx([0.71, 0.69, 0.69, 0.69, 0.7])
-    pooled = densegrpo.calibrate_step(psi, delta, eps1=2, eps2=0.01, psi_range=(0.1, 1.5), group_size=0, active=active)
+    pooled = densegrpo.calibrate_step(psi, delta, eps1=2, eps2=0.01, psi_range=(0.1, 1.5), groups=1, active=active)
     pooled_balance = abs(int((balanced > 0).sum() - (balanced < 0).sum()))
     assert pooled_balance >= 2 and pooled == pytest.approx([0.69, 0.69, 0.69, 0.69, 0.7])
     # the group rule is the pooled count over the number of groups: a pooled rule whose eps1 grows with the prompts
-    assert densegrpo.calibrate_step(psi, delta, eps1=2 * P, eps2=0.01, psi_range=(0.1, 1.5), group_size=0) == \
-        pytest.approx(densegrpo.calibrate_step(psi, delta, eps1=2, eps2=0.01, psi_range=(0.1, 1.5), group_size=G))
+    assert densegrpo.calibrate_step(psi, delta, eps1=2 * P, eps2=0.01, psi_range=(0.1, 1.5), groups=1) == \
+        pytest.approx(densegrpo.calibrate_step(psi, delta, eps1=2, eps2=0.01, psi_range=(0.1, 1.5), groups=P))
 
 
 def test_spaced_completions_take_exactly_n_steps():
