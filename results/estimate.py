@@ -847,10 +847,11 @@ def report(estimates, path, seconds_taken, rewards_table=None, evaluation=None):
     lines = [
         "# Estimated per-GPU memory and compute of the README's command lines", "",
         f"Made by `python results/estimate.py` ({seconds_taken / 60:.0f} minutes on a 2-core CPU; fake "
-        "see its docstring for what is and is not modelled). GiB per GPU: the resident state (trainable "
-        "Adam states, frozen weights, reference, VAE, reward models; this rank's shards under FSDP2) plus "
-        "phase's transient memory (activations, gathered weights, stored rollout tensors). The 80 GB cards "
-        "the peak at or below 70 GiB, which leaves room for the allocator's fragmentation and the CUDA "
+        "tensors, see its docstring for what is and is not modelled). GiB per GPU: the resident state "
+        "(trainable weights, Adam states, frozen weights, reference, VAE, reward models; this rank's shards "
+        "under FSDP2) plus each phase's transient memory (activations, gathered weights, stored rollout "
+        "tensors). The 80 GB cards need the peak at or below 70 GiB, which leaves room for the allocator's "
+        "fragmentation and the CUDA "
         f"context. Seconds at {MFU:.0%} of the bf16 peak (evaluation not included).", "",
         "| command | GPUs | resident | " + " | ".join(PHASES) + " | **peak** | peak phase | rollout kept | "
         "start-up | planned NFE per prompt (rollout / train / reference) | TFLOP / rank / iteration | "
@@ -895,8 +896,8 @@ def report(estimates, path, seconds_taken, rewards_table=None, evaluation=None):
             "", f"## Reward models: resident GiB and one forward of a {REWARD_BATCH}-image batch, bf16 "
             "towers vs float32", "",
             "bf16: the towers in bf16 with float32 projections, scales and heads, as rewards.py loads them "
-            "training on GPUs; float32: everything in float32, as the papers' evaluation code runs them. "
-            f"the model plus one forward of {REWARD_BATCH} images at its input size and {REWARD_BATCH} "
+            "for training on GPUs; float32: everything in float32, as the papers' evaluation code runs them. "
+            f"Forward peak: the model plus one forward of {REWARD_BATCH} images at its input size and {REWARD_BATCH} "
             "prompts (preprocessing included).", "",
             "| reward | input px | parameters (M) | resident, bf16 | forward peak, bf16 | resident, float32 "
             "| forward peak, float32 | GFLOP per image |", "|---|---|---|---|---|---|---|---|"]
@@ -910,8 +911,9 @@ def report(estimates, path, seconds_taken, rewards_table=None, evaluation=None):
         lines += [
             "", "## Evaluation alone (evaluate.py), per GPU", "",
             f"common.evaluate_policy's phases for one rank's {ev['n']} prompts: encoded {spec['chunk']} at a "
-            f"(the text encoders on the GPU), the ODE ({spec['steps']} steps, {ev['nfe']:,} NFE) in "
-            f"of {spec['micro_batch']} with the bf16 transformer, decoded {spec['decode_batch']} at a time, "
+            f"time (the text encoders on the GPU), the ODE ({spec['steps']} steps, {ev['nfe']:,} NFE) in "
+            f"micro-batches of {spec['micro_batch']} with the bf16 transformer, decoded {spec['decode_batch']} at "
+            "a time, "
             f"each micro-batch's images scored by {', '.join(spec['rewards'])} in float32.", "",
             "| command | GPUs | resident | encode | ODE | decode | rewards | **peak** | TFLOP / rank | "
             f"seconds, A100 / H100 at {MFU:.0%} MFU |", "|---|---|---|---|---|---|---|---|---|---|"]
