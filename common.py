@@ -554,9 +554,10 @@ def score(rewards: dict, images, prompts) -> dict:
     return out
 
 
-def load_prompt_set(path: str, *, split: str = "train") -> list[str]:
+def load_prompt_set(path: str, *, split: str = "train", rewards=()) -> list[str]:
     """Prompts from a text file, one per line (blank lines skipped), a .jsonl file with a "prompt" field per
-    line (Flow-GRPO's GenEval metadata), or 'toy': the toy world's grammar."""
+    line (Flow-GRPO's GenEval metadata), or 'toy': the toy world's grammar. If `rewards` name a toy reward,
+    every prompt must be in its grammar (checked here, before any model loads)."""
     if path == "toy":
         from toy.world import toy_prompts
         return toy_prompts(4096 if split == "train" else 1024, seed=0 if split == "train" else 1)
@@ -580,6 +581,14 @@ def load_prompt_set(path: str, *, split: str = "train") -> list[str]:
                      f"of a .jsonl file must be one")
     if not prompts:
         fail(f"prompt file {path!r} is empty; it needs at least one prompt (one per line)")
+    toy_rewards = [r for r in rewards if r.startswith("toy_")]
+    if toy_rewards:
+        from toy.world import parse_toy_prompt
+        for p in prompts:
+            try:
+                parse_toy_prompt(p)
+            except ValueError as e:
+                fail(f"prompt file {path!r}: {e}; the rewards {toy_rewards} score toy-world prompts only")
     return prompts
 
 

@@ -172,8 +172,8 @@ def check_args(args, world: int):
         fail(f"--eps1 {args.eps1} / --eps2 {args.eps2}: both must be > 0")
     if args.psi is not None:
         load_psi(args.psi, args.num_steps)
-    if args.beta > 0 and args.noise_level == 0:
-        fail("--beta > 0 needs --noise-level > 0 (the KL divides by the step's variance); pass --beta 0")
+    if args.noise_level == 0:  # the images of a group differ by their initial noise: no log-prob to train
+        fail("--noise-level 0.0 is not allowed; use a value > 0 (a step without noise has no log-prob)")
     per_rank = args.prompts_per_iteration // world * args.group_size
     most = -(-per_rank // args.micro_batch)  # one mini-batch per micro-batch at most
     if not 1 <= args.updates_per_iteration <= most:
@@ -245,8 +245,9 @@ if __name__ == "__main__":
     seed_everything(args.seed, deterministic=args.torch_deterministic)
 
     # TRY NOT TO MODIFY: model, rewards, prompts, optimizer
-    train_prompts = load_prompt_set(args.prompts, split="train")
-    eval_prompts = load_prompt_set(args.eval_prompts, split="test")
+    train_prompts = load_prompt_set(args.prompts, split="train", rewards=args.rewards)
+    eval_prompts = load_prompt_set(args.eval_prompts, split="test",
+                                   rewards=args.rewards + args.eval_rewards)
     use_bf16 = args.mixed_precision == "bf16" and device.type == "cuda"
     compute_dtype = torch.bfloat16 if use_bf16 else torch.float32
     # the rewards first: a reward file that cannot be read fails before the large model loads
@@ -314,6 +315,7 @@ if __name__ == "__main__":
         train_steps = list(range(n_train))
         # an untrained last step is taken without noise (x - sigma v): no untrained noise in the image
         noise_levels = [psi[i] if i < T - 1 or i in train_steps else 0.0 for i in range(T)]
+        train_steps = [j for j in train_steps if noise_levels[j] > 0]  # psi(t) = 0: no log-prob to train
         prompts = [train_prompts[i] for i in torch.randint(len(train_prompts), (P,), generator=gen)]
         group = torch.arange(P).repeat_interleave(G)  # sample -> its prompt
         x = torch.randn(P, G, C, H, W, generator=gen).reshape(P * G, C, H, W).to(device)

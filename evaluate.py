@@ -197,7 +197,7 @@ def check_args(args) -> tuple[list[dict], list[tuple[str, int]]]:
     check_rewards(args.metrics, args.reward_models)
     if len(set(args.metrics)) < len(args.metrics):
         fail(f"--metrics {' '.join(args.metrics)} names a metric twice; name each once")
-    prompts = load_prompt_set(args.prompts, split="test")
+    prompts = load_prompt_set(args.prompts, split="test", rewards=args.metrics)
     if args.num_prompts is not None:
         if args.num_prompts > len(prompts):
             fail(f"--num-prompts {args.num_prompts} is more than the {len(prompts)} prompts of "

@@ -156,8 +156,8 @@ def check_args(args, world: int):
         fail(f"--timestep-fraction {args.timestep_fraction} trains no step of {args.num_steps}; raise it")
     if args.credit == "coca" and (args.coca_window < 1 or args.num_steps % args.coca_window):
         fail(f"--coca-window {args.coca_window} does not divide --num-steps {args.num_steps}")
-    if args.beta > 0 and args.noise_level == 0:
-        fail("--beta > 0 needs --noise-level > 0 (the KL divides by the step's variance); pass --beta 0")
+    if args.noise_level == 0:  # the images of a group differ by their initial noise: no log-prob to train
+        fail("--noise-level 0.0 is not allowed; use a value > 0 (a step without noise has no log-prob)")
     per_rank = args.prompts_per_iteration // world * args.group_size
     most = -(-per_rank // args.micro_batch)  # one mini-batch per micro-batch at most
     if not 1 <= args.updates_per_iteration <= most:
@@ -191,8 +191,9 @@ if __name__ == "__main__":
     seed_everything(args.seed, deterministic=args.torch_deterministic)
 
     # TRY NOT TO MODIFY: model, rewards, prompts, optimizer
-    train_prompts = load_prompt_set(args.prompts, split="train")
-    eval_prompts = load_prompt_set(args.eval_prompts, split="test")
+    train_prompts = load_prompt_set(args.prompts, split="train", rewards=args.rewards)
+    eval_prompts = load_prompt_set(args.eval_prompts, split="test",
+                                   rewards=args.rewards + args.eval_rewards)
     use_bf16 = args.mixed_precision == "bf16" and device.type == "cuda"
     compute_dtype = torch.bfloat16 if use_bf16 else torch.float32
     # the rewards first: a reward file that cannot be read fails before the large model loads

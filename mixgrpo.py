@@ -236,8 +236,9 @@ if __name__ == "__main__":
     seed_everything(args.seed, deterministic=args.torch_deterministic)
 
     # TRY NOT TO MODIFY: model, rewards, prompts, optimizer
-    train_prompts = load_prompt_set(args.prompts, split="train")
-    eval_prompts = load_prompt_set(args.eval_prompts, split="test")
+    train_prompts = load_prompt_set(args.prompts, split="train", rewards=args.rewards)
+    eval_prompts = load_prompt_set(args.eval_prompts, split="test",
+                                   rewards=args.rewards + args.eval_rewards)
     use_bf16 = args.mixed_precision == "bf16" and device.type == "cuda"
     compute_dtype = torch.bfloat16 if use_bf16 else torch.float32
     # the rewards first: a reward file that cannot be read fails before the large model loads

@@ -242,8 +242,8 @@ def load_random_rewards(names, device, *, models, dtype, tiny: bool, tmp: str, p
 
     states = {}
 
-    def load_safely(path):  # the checkpoints this check made in memory
-        return states[path] if path in states else ORIGINAL["load_rewards_load_safely"](path)
+    def load_safely(path, *, what):  # the checkpoints this check made in memory
+        return states[path] if path in states else ORIGINAL["load_rewards_load_safely"](path, what=what)
 
     out = {}
     for name in dict.fromkeys(names):

@@ -98,11 +98,15 @@ def test_unreadable_checkpoint(tmp_path):
         resume_checkpoint(str(tmp_path / "run"), args=flow_grpo.Args(), world=1, script="flow_grpo.py")
 
 
-def test_kl_without_noise():
-    """Checked before any model loads now (it was found inside the KL, after the first rollout)."""
+def test_no_noise():
+    """Flow-GRPO's images differ by their initial noise: without SDE noise they get advantages and no step has a
+    log-prob to train (it failed inside the backward pass). DanceGRPO's KL needs the noise too."""
+    with pytest.raises(SystemExit, match=r"--noise-level 0.0 is not allowed; use a value > 0 \(a step without "
+                                         r"noise has no log-prob\)"):
+        check_args(flow_grpo, noise_level=0.0, beta=0.0)
     with pytest.raises(SystemExit, match=r"--beta > 0 needs --noise-level > 0 \(the KL divides by the step's "
                                          r"variance\); pass --beta 0"):
-        check_args(flow_grpo, noise_level=0.0, beta=0.04)
+        check_args(dancegrpo, noise_level=0.0, beta=0.04)
 
 
 def test_world_size_must_divide_prompts():
@@ -148,6 +152,12 @@ def test_prompt_files(tmp_path):
     (tmp_path / "empty.txt").write_text("\n  \n")
     with pytest.raises(SystemExit, match=f"prompt file '{tmp_path}/empty.txt' is empty"):
         load_prompt_set(str(tmp_path / "empty.txt"))
+    (tmp_path / "mixed.txt").write_text("a red circle on the left\na green triangle\n")
+    assert load_prompt_set(str(tmp_path / "mixed.txt"), rewards=("jpeg",)) == ["a red circle on the left",
+                                                                               "a green triangle"]
+    with pytest.raises(SystemExit, match=f"prompt file '{tmp_path}/mixed.txt': not a toy-world prompt: 'a green "
+                                         r"triangle'; expected e.g. .*; the rewards \['toy_strict'\] score toy"):
+        load_prompt_set(str(tmp_path / "mixed.txt"), rewards=("jpeg", "toy_strict"))
 
 
 def test_resolution_the_model_cannot_take(tmp_path):

@@ -166,15 +166,18 @@ def test_resume_applies_the_new_learning_rate_and_says_what_changed(tiny, tmp_pa
 
 @pytest.mark.slow
 def test_no_gradient_anywhere_takes_no_step_on_1_or_2_processes(tiny, tmp_path):
-    """Noise level 0 makes every image of a group the same: every advantage is 0 and, without a KL, no rank has a
-    gradient. Neither 1 nor 2 processes may step (a zero-gradient AdamW step still applies weight decay)."""
+    """The 0/1 reward toy_strict is 0 for every image of a tiny random model: every advantage is 0 and, without a KL,
+    no rank has a gradient. Neither 1 nor 2 processes may step (a zero-gradient AdamW step still applies weight
+    decay)."""
     from safetensors.torch import load_file
 
-    flags = dict(noise_level=0.0, beta=0.0, eval_every=0, num_iterations=1, prompts_per_iteration=4)
+    prompts = tmp_path / "toy.txt"
+    prompts.write_text("a red circle on the left\na blue square on the top\n")
+    flags = dict(rewards="toy_strict", beta=0.0, eval_every=0, num_iterations=1, prompts_per_iteration=4)
     exports = []
     for nproc in (1, 2):
         out = tmp_path / f"n{nproc}"
-        run_script("flow_grpo.py", tiny_flags(tiny["flux"], tiny["prompts"], out, **flags), nproc=nproc)
+        run_script("flow_grpo.py", tiny_flags(tiny["flux"], str(prompts), out, **flags), nproc=nproc)
         run, m = read_metrics(out)
         assert m[1]["train/updates"] == 0 and m[1]["reward/zero_std_fraction"] == 1.0
         exports.append(load_file(os.path.join(run, "checkpoints", "iter_1", "lora", "pytorch_lora_weights.safetensors")))
