@@ -128,3 +128,13 @@ def test_a_stopped_comparison_stops_its_runs(tmp_path):
     assert p.returncode == 1 and "interrupted; run the same command again to resume" in err, err[-2000:]
     left = subprocess.run(["pgrep", "-f", str(runs)], capture_output=True, text=True).stdout.split()
     assert left == [], left  # no run left behind, still training into the run directory
+
+
+def test_the_readme_copies_the_headline_tables():
+    """The README's tables and claim verdicts are results/compare/headline.md's rows, line for line (its numbers come
+    only from the comparison's own output)."""
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    rows = [line.rstrip("\n") for line in open(os.path.join(ROOT, "results", "compare", "headline.md"))]
+    rows = [r for r in rows if r.startswith("| ") and not r.startswith("|---")]
+    assert len(rows) > 30
+    assert [r for r in rows if r not in readme] == []
