@@ -384,13 +384,18 @@ class Builder:
 
 @contextlib.contextmanager
 def patched(owner, name: str, value):
-    """owner.<name> = value for the duration (restored afterwards)."""
-    old = getattr(owner, name)
+    """owner.<name> = value for the duration; a class attribute it only inherited is deleted afterwards."""
+    own = vars(owner) if isinstance(owner, type) else None
+    had = own is None or name in own
+    old = (own[name] if own is not None else getattr(owner, name)) if had else None
     setattr(owner, name, value)
     try:
         yield value
     finally:
-        setattr(owner, name, old)
+        if had:
+            setattr(owner, name, old)
+        else:
+            delattr(owner, name)
 
 
 def fake_process_group(world: int):

@@ -88,22 +88,6 @@ def configurations(only=None) -> list:
     return rows
 
 
-@contextlib.contextmanager
-def patched(owner, name: str, value):
-    """owner.<name> = value for the duration; a class attribute it only inherited is deleted afterwards."""
-    own = vars(owner) if isinstance(owner, type) else None
-    had = own is None or name in own
-    old = (own[name] if own is not None else getattr(owner, name)) if had else None
-    setattr(owner, name, value)
-    try:
-        yield value
-    finally:
-        if had:
-            setattr(owner, name, old)
-        else:
-            delattr(owner, name)
-
-
 class Phases:
     """Per-phase peak memory: each wrapped call names its phase; at a phase change the peak since the last
     reset is the old phase's (the max over its calls) and the counter is reset."""
@@ -264,7 +248,7 @@ def load_random_rewards(names, device, *, models, dtype, tiny: bool, tmp: str, p
 
         with contextlib.ExitStack() as stack:
             stack.enter_context(torch.device(device))  # random weights initialised where they will run
-            stack.enter_context(patched(rewards, "load_safely", load_safely))
+            stack.enter_context(estimate.patched(rewards, "load_safely", load_safely))
             if spec["family"] == "open_clip":
                 with open(os.path.join(where, "open_clip_config.json"), "w") as f:
                     json.dump({"model_cfg": spec["config"], "preprocess_cfg": {}}, f)
@@ -273,8 +257,8 @@ def load_random_rewards(names, device, *, models, dtype, tiny: bool, tmp: str, p
                 tok = word_tokenizer(77)
                 tok.model_input_names = ["input_ids", "attention_mask"]
                 both = types.SimpleNamespace(image_processor=processor, tokenizer=tok)
-                stack.enter_context(patched(CLIPModel, "from_pretrained", random_clip))
-                stack.enter_context(patched(AutoProcessor, "from_pretrained", lambda *a, **k: both))
+                stack.enter_context(estimate.patched(CLIPModel, "from_pretrained", random_clip))
+                stack.enter_context(estimate.patched(AutoProcessor, "from_pretrained", lambda *a, **k: both))
                 fn = rewards.pickscore_reward("random:pickscore", "random:processor", device, dtype=dtype)
             elif spec["family"] == "clip_vision":  # the aesthetic predictor
                 head = os.path.join(where, "head.pth")
@@ -282,8 +266,9 @@ def load_random_rewards(names, device, *, models, dtype, tiny: bool, tmp: str, p
                 dims = (spec["projection_dim"], *spec["head"])
                 states[head] = {f"layers.{i}.{p}": random_like((b, a) if p == "weight" else (b,), p, device)
                                 for i, a, b in zip(HEAD_LAYERS, dims, dims[1:]) for p in ("weight", "bias")}
-                stack.enter_context(patched(CLIPModel, "from_pretrained", random_clip))
-                stack.enter_context(patched(CLIPImageProcessor, "from_pretrained", lambda *a, **k: processor))
+                stack.enter_context(estimate.patched(CLIPModel, "from_pretrained", random_clip))
+                stack.enter_context(estimate.patched(CLIPImageProcessor, "from_pretrained",
+                                                     lambda *a, **k: processor))
                 fn = rewards.aesthetic_reward(head, "random:clip-vit-large-patch14", device, dtype=dtype)
             else:  # ImageReward: its checkpoint's original key names, med_config.json, a BERT vocab.txt
                 checkpoint = os.path.join(where, "ImageReward.pt")
@@ -312,6 +297,7 @@ def fingerprint(module):
 
 def run_configuration(command, *, pipe, kind, tiny, device, tmp, prompts):
     """One iteration of the command through its algorithm file; what it measured."""
+    import estimate
     import tyro
 
     import common
@@ -345,14 +331,15 @@ def run_configuration(command, *, pipe, kind, tiny, device, tmp, prompts):
     result = {"name": name, "key": key(name, script, argv), "script": script, "argv": argv, "ok": False}
     t0 = time.time()
     with contextlib.ExitStack() as stack:
-        stack.enter_context(patched(common, "load_pipeline", load_pipeline))
-        stack.enter_context(patched(common, "load_rewards", load_rewards))
-        stack.enter_context(patched(common, "save_state", save_state))
+        stack.enter_context(estimate.patched(common, "load_pipeline", load_pipeline))
+        stack.enter_context(estimate.patched(common, "load_rewards", load_rewards))
+        stack.enter_context(estimate.patched(common, "save_state", save_state))
         for fn, phase in (("encode_prompts", "encode"), ("velocity", velocity_phase(phases)),
                           ("decode", "decode")):
-            stack.enter_context(patched(common, fn, wrapped(getattr(common, fn), phases, phase)))
-        stack.enter_context(patched(common, "optimizer_step", optimizer_step))
-        stack.enter_context(patched(sys, "argv", [os.path.join(ROOT, script + ".py"), *argv.split(), *extra]))
+            stack.enter_context(estimate.patched(common, fn, wrapped(getattr(common, fn), phases, phase)))
+        stack.enter_context(estimate.patched(common, "optimizer_step", optimizer_step))
+        argv_file = [os.path.join(ROOT, script + ".py"), *argv.split(), *extra]
+        stack.enter_context(estimate.patched(sys, "argv", argv_file))
         stack.enter_context(contextlib.redirect_stdout(sys.stderr))  # its summary: stdout is the report's
         try:
             runpy.run_path(os.path.join(ROOT, script + ".py"), run_name="__main__")
