@@ -14,24 +14,32 @@ Run it in a side venv that holds the original package, never the project's (~1 m
 defaults to this script's folder. It writes ImageReward.pt (exactly `torch.save(model.state_dict())`, the
 original key names), med_config.json, vocab.txt (BERT vocabulary; the original adds [DEC] and [ENC] on top),
 images/*.png (uint8 RGB), golden.json (prompts, the original tokenizer's ids, scores, versions).
-Deterministic: a rerun writes the same scores.
+Deterministic: a rerun writes bitwise the same files (measured with 1 and 2 threads); on another CPU the
+scores may move by ~1e-6. About 3 MB in all.
 
 What is the original and what is ours:
 * all that computes a score is the package's code: VisionTransformer (vit.py), BLIP_Pretrain (with med.py's
   BertModel and blip.py's init_tokenizer), MLP, _transform and ImageReward.score (ImageReward.py);
 * only sizes change: ImageReward.__init__ hard-codes BLIP_Pretrain(image_size=224, vit='large') and
-  MLP(768), so the same pieces are assembled here with a ViT of width 64 (heads = width // 64 = 1, depth 2,
-  patch 16, image 32), a BERT of hidden 32 (2 heads, 2 layers) and MLP(32); `create_vit` is swapped for one
+  MLP(768), so the same pieces are assembled here at ImageReward's image size 224 with a ViT of width 128
+  (heads = width // 64 = 2 of 64 as in ViT-L's 16 x 64, depth 2, patch 16, MLP 256), a BERT of hidden 32 (2
+  heads of 16, 2 layers, cross-attention to the 197 image tokens), MLP(32) and embed_dim 16 for BLIP's
+  vision_proj / text_proj (256 in the original; the score never reads them); `create_vit` is swapped for one
   building that small VisionTransformer, and BertTokenizer.from_pretrained('bert-base-uncased') (a hub
   download) reads our vocab.txt instead;
 * the weights are re-drawn (seeded) so activations are O(1) and scores differ between images and prompts.
 
-Two scores per pair: `pil` is the official path (PIL image -> torchvision Resize(32, BICUBIC) on PIL ->
+Images (H x W): four at the native 224 x 224 (one pure noise); 300x256, 227x320 and 384x512 go through the
+original's Resize(224, BICUBIC) of the shorter side (the longer truncated: 262, 315, 298) and CenterCrop(224)
+(offsets rounded: 19 rows; round(45.5) = 46 and 37 columns). Prompts: one of 42 word pieces, truncated to the
+original's 35 tokens in the middle of a word ("circle" kept, its "##s" cut), unknown words, an empty one.
+
+Two scores per pair: `pil` is the official path (PIL image -> torchvision Resize(224, BICUBIC) on PIL ->
 CenterCrop -> ToTensor -> Normalize -> ImageReward.score); `tensor` runs the same torchvision Resize /
 CenterCrop / Normalize on the float [0, 1] tensor (torch bicubic with antialias, clamped to [0, 1] after the
 resize as PIL's uint8 output is) and then the body of ImageReward.score. Both agree at the native size (the
 resize is skipped there); at other sizes `pil` differs from any float pipeline by PIL's fixed-point filter
-and uint8 rounding.
+and uint8 rounding (here up to 1.1e-3 in the score).
 """
 import importlib
 import json
@@ -45,7 +53,9 @@ from PIL import Image
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 OUT = os.path.abspath(sys.argv[1]) if len(sys.argv) > 1 else HERE
-IMAGE_SIZE, VISION_WIDTH, VISION_DEPTH = 32, 64, 2
+# BLIP ViT: ImageReward's own image size 224 and patch 16, 64-wide heads as in ViT-L (1024 = 16 x 64), small
+IMAGE_SIZE, PATCH, VISION_WIDTH, VISION_DEPTH, MLP_RATIO = 224, 16, 128, 2, 2
+VISION_HEADS = VISION_WIDTH // 64  # 2
 MED_CONFIG = {  # BLIP's med_config.json, small (real: hidden 768, 12 heads, 12 layers, 3072, vocab 30524)
     "architectures": ["BertModel"], "attention_probs_dropout_prob": 0.1, "hidden_act": "gelu",
     "hidden_dropout_prob": 0.1, "hidden_size": 32, "initializer_range": 0.02, "intermediate_size": 64,
@@ -62,20 +72,26 @@ PROMPTS = [
     "two red circles on the table",
     "A Blue Dog, running in the garden.",  # case and punctuation
     "zebra xylophone under a green sky",  # words outside the vocabulary -> [UNK]
-    ("a small cat and a big dog sitting on the table in the garden under the blue sky with two red circles "
-     "and three green squares, a photo of a dog running with a cat in the sky"),  # > 35 tokens: truncated
-    "",
+    ("a photo of a small cat and a big dog sitting on the red table in the green garden under the blue sky, "
+     "with three green squares and two red circles on the table, running in the sky"),  # 42 word pieces ->
+    "",  # [CLS] + the first 33 + [SEP]; the 33rd is "circle" of "circle ##s": the cut splits a word
 ]
 EXTRA = ["[ENC] a cat [DEC]", "a photo of a cat " * 12]  # tokenised only: the added tokens, 60 words
-IMAGE_SIZES = [(32, 32)] * 4 + [(40, 48), (56, 40)]  # (H, W); 56x40 -> 44x32 (torchvision truncates 44.8)
+SEED = 2  # weights, then images; of seeds 0-3 the draw whose scores spread most over images and prompts
+# (H, W, grain): smooth ramps + a disk + noise constant over grain x grain blocks (PNG stays small), 0: pure
+# noise. Four at the native 224 x 224 (no resize; tests/test_rewards.py stacks images[:4]); three resized by
+# the shorter side to 224 (torchvision truncates the longer one) and centre-cropped (offset rounded): 300x256
+# -> 262x224 (top 19), 227x320 -> 224x315 (left round(45.5) = 46), 384x512 -> 224x298 (left 37, 1.7x down)
+IMAGES = [(224, 224, 2), (224, 224, 4), (224, 224, 8), (224, 224, 0), (300, 256, 2), (227, 320, 2),
+          (384, 512, 4)]
 
 
 def make_images(g):
     """Smooth colour ramps with a disk and mild noise (resizing pure noise is a pathological case), and one
     pure-noise image at the native size."""
     out = []
-    for k, (h, w) in enumerate(IMAGE_SIZES):
-        if k == 3:
+    for h, w, grain in IMAGES:
+        if grain == 0:
             out.append(torch.randint(0, 256, (3, h, w), generator=g, dtype=torch.uint8))
             continue
         yy, xx = torch.meshgrid(torch.linspace(0, 1, h), torch.linspace(0, 1, w), indexing="ij")
@@ -84,7 +100,8 @@ def make_images(g):
         cy, cx, r = (torch.rand(3, generator=g) * torch.tensor([h, w, min(h, w) / 2])).tolist()
         disk = ((yy * h - cy) ** 2 + (xx * w - cx) ** 2 < (r + 3) ** 2).float()
         img = img * (1 - disk) + torch.rand(3, 1, 1, generator=g) * disk
-        img = img + 0.05 * torch.randn(3, h, w, generator=g)
+        noise = torch.randn(3, -(-h // grain), -(-w // grain), generator=g)
+        img = img + 0.05 * noise.repeat_interleave(grain, 1).repeat_interleave(grain, 2)[:, :h, :w]
         out.append((img.clamp(0, 1) * 255).round().to(torch.uint8))
     return out
 
@@ -102,8 +119,8 @@ def build_model(med_config_path, vocab_dir):
     blip.BertTokenizer.from_pretrained = lambda name, *a, **k: offline(vocab_dir)  # instead of the hub's
 
     def small_vit(vit, image_size, use_grad_checkpointing=False, ckpt_layer=0, drop_path_rate=0):
-        vit = VisionTransformer(img_size=image_size, patch_size=16, embed_dim=VISION_WIDTH,
-                                depth=VISION_DEPTH, num_heads=VISION_WIDTH // 64,
+        vit = VisionTransformer(img_size=image_size, patch_size=PATCH, embed_dim=VISION_WIDTH,
+                                depth=VISION_DEPTH, num_heads=VISION_HEADS, mlp_ratio=MLP_RATIO,
                                 drop_path_rate=0.1)  # as create_vit's 'large'
         return vit, VISION_WIDTH
 
@@ -111,7 +128,8 @@ def build_model(med_config_path, vocab_dir):
     model = IR.ImageReward.__new__(IR.ImageReward)  # ImageReward.__init__ with the sizes changed
     nn.Module.__init__(model)
     model.device = "cpu"
-    model.blip = blip_pretrain.BLIP_Pretrain(image_size=IMAGE_SIZE, vit="large", med_config=med_config_path)
+    model.blip = blip_pretrain.BLIP_Pretrain(image_size=IMAGE_SIZE, vit="large", med_config=med_config_path,
+                                             embed_dim=16)  # 256 originally: the unused vision/text_proj
     model.preprocess = IR._transform(IMAGE_SIZE)
     model.mlp = IR.MLP(model.blip.text_encoder.config.hidden_size)
     model.mean, model.std = 0.16717362830052426, 1.0333394966054072
@@ -139,7 +157,7 @@ def main():
 
     os.makedirs(os.path.join(OUT, "images"), exist_ok=True)
     torch.manual_seed(0)
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator().manual_seed(SEED)
     with open(os.path.join(OUT, "vocab.txt"), "w") as f:
         f.write("\n".join(VOCAB) + "\n")
     med = dict(MED_CONFIG, vocab_size=len(VOCAB) + 2)  # + [DEC] and [ENC], as init_tokenizer adds them
@@ -179,8 +197,9 @@ def main():
         "about": "ImageReward scores of a small random-initialised model, original code; see make_golden.py",
         "versions": {p: version(p) for p in ["image-reward", "transformers", "timm", "torch", "torchvision",
                                              "pillow", "fairscale"]},
-        "image_size": IMAGE_SIZE, "vision": {"width": VISION_WIDTH, "depth": VISION_DEPTH, "heads": 1,
-                                             "patch": 16, "layer_norm_eps": 1e-6},
+        "image_size": IMAGE_SIZE, "vision": {"width": VISION_WIDTH, "depth": VISION_DEPTH,
+                                             "heads": VISION_HEADS, "mlp": MLP_RATIO * VISION_WIDTH,
+                                             "patch": PATCH, "layer_norm_eps": 1e-6},
         "images": names, "prompts": PROMPTS, "tokenized_only": EXTRA,
         "special_tokens": {"[DEC]": tok.convert_tokens_to_ids("[DEC]"), "[ENC]": tok.enc_token_id,
                            "[CLS]": tok.cls_token_id, "[SEP]": tok.sep_token_id, "[PAD]": tok.pad_token_id},
