@@ -2,7 +2,8 @@
 
 0. fail                  a one-line error instead of a traceback
 1. Math (torch only)     shifted_sigmas, strided_indices, spaced_indices, gaussian_log_prob, sde_mean_std,
-                         sde_step, ode_step, group_advantages, combine_advantages, coca_credit
+                         sde_step, ode_step, group_advantages, combine_advantages, training_minibatches,
+                         rank_chunks, coca_credit
 2. Model                 load_pipeline, latent_shape, pipeline_sigmas, encode_prompts, select, velocity (NFE),
                          velocities, ode_complete, decode, make_trainable, shard, gathered, as_reference
 3. Rewards and prompts   RewardModels, REWARDS, load_rewards, score; HPS-v2.1, CLIP score, PickScore,
@@ -131,6 +132,32 @@ def combine_advantages(rewards: dict, weights: dict, *, mode: str, eps: float, u
     if mode == "rewards":
         return group_advantages(sum(weights[n] * r for n, r in rewards.items()), **norm)
     fail(f"reward combination {mode!r} is not known; use 'advantages' or 'rewards'")
+
+
+def training_minibatches(advantages, *, updates: int, micro_batches: int, generator):
+    """Flow-GRPO's trained samples (train_sd3.py): of the advantages [trained steps, N] of all ranks' samples,
+    those zero at every step are dropped, random dropped ones put back until the number kept is a multiple of
+    `micro_batches` (if enough were dropped), and the kept ones shuffled into `updates` mini-batches of sample
+    indices. Over all ranks' samples with one generator on every rank: 1 and N ranks make the same ones."""
+    keep = advantages.abs().sum(0) != 0
+    short, dropped = -int(keep.sum()) % micro_batches, torch.where(~keep)[0]
+    if 0 < short <= len(dropped):
+        keep[dropped[torch.randperm(len(dropped), generator=generator)[:short]]] = True
+    kept = torch.where(keep)[0]
+    return list(kept[torch.randperm(len(kept), generator=generator)].tensor_split(updates))
+
+
+def rank_chunks(minibatch, *, rank: int, world: int, per_rank: int, micro_batch: int, sharded: bool) -> list:
+    """This rank's samples of a mini-batch of sample indices over all ranks (rank r holds r * per_rank, ...):
+    [(local indices, at most `micro_batch`; their weight in the mini-batch's mean, times the world size, as
+    gradients are averaged over ranks)]. Sharded runs (every rank runs the same forwards) add forwards of
+    weight 0 until each rank has as many as the busiest."""
+    local = minibatch[minibatch // per_rank == rank] - rank * per_rank
+    chunks = [(c, len(c) * world / len(minibatch)) for c in local.split(micro_batch) if len(c)]
+    if sharded:
+        most = -(-int(torch.bincount(minibatch // per_rank, minlength=world).max()) // micro_batch)
+        chunks += [(torch.zeros(1, dtype=torch.long), 0.0)] * (most - len(chunks))
+    return chunks
 
 
 def coca_credit(advantages, x0_hats, final, *, window: int, alpha: float, group_size: int, trained: int):
@@ -266,7 +293,7 @@ def select(emb: dict, index) -> dict:
 def velocity(transformer, kind: str, x, sigma, emb: dict, *, guidance: float):
     """The model's velocity v(x, sigma) for latents x [B, C, H, W]. Hides Flux's packing, position ids and
     guidance embedding (timestep sigma), and SD3's classifier-free guidance (timestep 1000 sigma, [neg;
-    pos])."""
+    pos], a gradient through the conditional half only)."""
     from diffusers import FluxPipeline
 
     NFE["count"] += x.shape[0]
@@ -291,9 +318,9 @@ def velocity(transformer, kind: str, x, sigma, emb: dict, *, guidance: float):
     out = transformer(hidden_states=hidden.to(dtype), timestep=timestep,
                       encoder_hidden_states=embeds.to(dtype), pooled_projections=pooled.to(dtype),
                       return_dict=False)[0]
-    if cfg:
+    if cfg:  # the unconditional half carries no gradient, as Flow-GRPO's compute_log_prob (train_sd3.py)
         uncond, cond = out.chunk(2)
-        out = uncond + guidance * (cond - uncond)
+        out = uncond.detach() + guidance * (cond - uncond.detach())
     return out
 
 

@@ -21,7 +21,7 @@ from common import (NFE, TOY_WORLD, RewardModels, check_common_args, combine_adv
                     save_eval_grid, save_state, score, sde_step, seed_everything, select, setup_distributed,
                     sum_over_ranks, swapped_in, velocities, velocity)
 # algorithm specific
-from common import as_reference, ode_complete, sde_mean_std, spaced_indices
+from common import as_reference, ode_complete, rank_chunks, sde_mean_std, spaced_indices, training_minibatches
 
 
 @dataclass
@@ -379,15 +379,19 @@ if __name__ == "__main__":
         sums = dict.fromkeys(["terms", "ratio_mean", "clipfrac", "approx_kl", "policy_loss", "kl"], 0.0)
         first_ratio_dev = 0.0  # max |ratio - 1| in the first mini-batch: 0 if sampling and training agree
         grad_norms = []
-        minibatches = torch.tensor_split(torch.arange(len(chunks)), args.updates_per_iteration)
+        # the samples of every rank whose advantage is 0 at every trained step are dropped (the rest topped
+        # up) and the others shuffled into new mini-batches (Flow-GRPO's train_sd3.py), alike on every rank
+        trained_advantages = gather_cat(advantages[train_steps].T.contiguous()).T
+        same_on_ranks = iteration_generator(args.seed, iteration, 0, stream=1)
+        minibatches = training_minibatches(trained_advantages, updates=args.updates_per_iteration,
+                                           micro_batches=len(chunks) * world, generator=same_on_ranks)
         for u, minibatch in enumerate(minibatches):
-            n_terms = sum(len(chunks[m]) for m in minibatch) * len(train_steps)
             has_gradient = False
             for j in train_steps:
-                for m in minibatch.tolist():
-                    c = chunks[m]
+                for c, weight in rank_chunks(minibatch, rank=rank, world=world, per_rank=P * G,
+                                             micro_batch=args.micro_batch, sharded=sharded):
                     adv = advantages[j][c]
-                    signal = args.beta > 0 or bool((adv != 0).any())
+                    signal = weight > 0 and (args.beta > 0 or bool((adv != 0).any()))
                     if not signal and not sharded:
                         continue  # no gradient (sharded runs run it: every rank joins the collectives)
                     has_gradient = has_gradient or signal
@@ -411,7 +415,9 @@ if __name__ == "__main__":
                         kl_var = std**2 if args.kl_form == "exact" else std**2 / step
                         kl = ((mean - mean_ref) ** 2).mean(dim=(1, 2, 3)).mean() / (2 * kl_var)
                     loss = policy_loss + args.beta * kl
-                    (loss * len(c) / n_terms).backward()
+                    (loss * weight / len(train_steps)).backward()  # the mean over the mini-batch's terms
+                    if weight == 0:
+                        continue  # a sharded rank's extra forward: it joins the collectives, adds no term
                     log_ratio = (log_prob - old_log_probs[j][c]).detach()
                     sums["terms"] += len(c)
                     sums["ratio_mean"] += ratio.detach().sum()
@@ -441,6 +447,7 @@ if __name__ == "__main__":
         metrics.update({f"train/{k}": totals[k] / n for k in sums if k != "terms"})
         metrics["train/grad_norm"] = sum(grad_norms) / max(len(grad_norms), 1)
         metrics["train/updates"] = len(grad_norms)
+        metrics["train/kept_fraction"] = sum(map(len, minibatches)) / (P * G * world)  # of the samples
         metrics["train/first_ratio_max_dev"] = max_over_ranks(first_ratio_dev)
         metrics["perf/nfe_rollout_per_prompt"] = totals["nfe_rollout"] / (P * world)
         metrics["perf/nfe_min_per_prompt"] = nfe_min

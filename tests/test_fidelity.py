@@ -246,3 +246,134 @@ def test_open_clip_normalisation_comes_from_the_model(tmp_path):
     m, s = torch.tensor(mean).view(1, 3, 1, 1), torch.tensor(std).view(1, 3, 1, 1)
     expected = manual_cosine(model.eval(), (x - m) / s, prompts, open_clip.get_tokenizer(f"local-dir:{root}"))
     torch.testing.assert_close(fn(x, prompts), expected, rtol=1e-4, atol=1e-5)
+
+
+def test_sd3_guidance_gradient_follows_the_official_form():
+    """Flow-GRPO's compute_log_prob (scripts/train_sd3.py) detaches the unconditional half of the CFG pair before
+    uncond + g (text - uncond): the parameter gradient of velocity() is g d(text), not g d(text) - (g - 1)
+    d(uncond). Checked against that expression computed by hand from the two halves."""
+    pipe = build_sd3()
+    transformer, g = pipe.transformer, 4.5
+    emb = common.encode_prompts(pipe, "sd3", ["a red circle", "a blue square"], max_sequence_length=16, cfg=g)
+    x = torch.randn(2, 4, 16, 16, generator=torch.Generator().manual_seed(0))
+    projection = torch.randn(2, 4, 16, 16, generator=torch.Generator().manual_seed(1))
+    params = [p for p in transformer.parameters()]
+    transformer.requires_grad_(True)
+
+    def grads(v):
+        return torch.autograd.grad((v * projection).sum(), params, allow_unused=True, retain_graph=True)
+
+    v = velocity(transformer, "sd3", x, 0.7, emb, guidance=g)
+    ours = grads(v)
+    # the official expression: the transformer on [negative; positive], the negative half detached
+    t = torch.full((4,), 700.0)
+    out = transformer(hidden_states=torch.cat([x, x]), timestep=t,
+                      encoder_hidden_states=torch.cat([emb["neg_embeds"], emb["embeds"]]),
+                      pooled_projections=torch.cat([emb["neg_pooled"], emb["pooled"]]), return_dict=False)[0]
+    uncond, text = out.chunk(2)
+    official = uncond.detach() + g * (text - uncond.detach())
+    both_halves = uncond + g * (text - uncond)  # what a gradient through both halves would train
+    torch.testing.assert_close(v, official, rtol=0, atol=1e-6)  # the velocity itself is the same
+    for a, b in zip(ours, grads(official)):
+        if b is not None:
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    through_both = grads(both_halves)
+    diff = max((a - b).abs().max() for a, b in zip(ours, through_both) if b is not None)
+    assert diff > 1e-3  # the two forms really differ on this model
+    transformer.requires_grad_(False)
+
+
+def official_training_samples(advantages, *, num_batches, updates):
+    """train_sd3.py's rule on one process, as written there: mask = advantages.abs().sum(dim=1) != 0; random
+    masked-out samples put back until the count is a multiple of num_batches (if there are enough); a permutation;
+    reshaped to num_batches micro-batches, `updates` optimizer steps of num_batches / updates micro-batches each."""
+    mask = advantages.abs().sum(dim=1) != 0
+    true_count = mask.sum()
+    if true_count % num_batches != 0:
+        false_indices = torch.where(~mask)[0]
+        num_to_change = num_batches - (true_count % num_batches)
+        if len(false_indices) >= num_to_change:
+            random_indices = torch.randperm(len(false_indices))[:num_to_change]
+            mask[false_indices[random_indices]] = True
+    samples = torch.arange(len(advantages))[mask]
+    samples = samples[torch.randperm(len(samples))]
+    batches = samples.reshape(num_batches, -1)
+    return [b.reshape(-1) for b in batches.reshape(updates, num_batches // updates, -1)]
+
+
+@pytest.mark.parametrize("zero_groups", [0, 1, 3, 5, 6])
+def test_trained_samples_follow_the_official_rule(zero_groups):
+    """common.training_minibatches against train_sd3.py's rule (same seed, same draws): the samples whose advantage
+    is 0 at every trained step are dropped, topped up to a multiple of the micro-batches, shuffled into mini-batches;
+    the sample sets and their order are identical. 6 groups of 4, 8 micro-batches, 2 optimizer steps."""
+    g = torch.Generator().manual_seed(zero_groups)
+    advantages = torch.randn(24, 9, generator=g)  # [samples, trained steps], as train_sd3.py holds them
+    advantages[:4 * zero_groups] = 0  # groups of equal rewards: advantage 0 at every step
+    advantages[-1, :5] = 0  # zero at some steps only: kept
+    torch.manual_seed(7)
+    official = official_training_samples(advantages.clone(), num_batches=8, updates=2) if zero_groups != 5 else None
+    ours = common.training_minibatches(advantages.T, updates=2, micro_batches=8,
+                                       generator=torch.Generator().manual_seed(7))
+    kept = torch.cat(ours)
+    nonzero = set(range(4 * zero_groups, 24))
+    assert nonzero <= set(kept.tolist()) and len(set(kept.tolist())) == len(kept)
+    if zero_groups == 5:  # 4 kept, 4 needed to reach 8 but 20 dropped: topped up to 8
+        assert len(kept) == 8
+    else:
+        assert [b.tolist() for b in ours] == [b.tolist() for b in official]
+    assert len(kept) % 8 == 0 and len({len(b) for b in ours}) == 1
+    everything_zero = common.training_minibatches(torch.zeros(9, 24), updates=2, micro_batches=8, generator=g)
+    assert [len(b) for b in everything_zero] == [0, 0]
+
+
+def test_rank_chunks_weigh_every_sample_alike_on_any_number_of_ranks():
+    """A mini-batch of samples over all ranks: each rank gets its own samples (local indices, micro-batches of at
+    most 3), weighted so that the average of the ranks' weighted sums is the mean over the mini-batch, for 1, 2 and
+    4 ranks; sharded ranks get extra weight-0 forwards up to the busiest rank's count."""
+    minibatch = torch.tensor([13, 2, 7, 0, 15, 9, 1, 3, 14])  # 16 samples, rank r holds 16 / world of them
+    values = torch.randn(16, dtype=torch.float64)
+    for world in (1, 2, 4):
+        per_rank = 16 // world
+        total, counts = 0.0, []
+        for rank in range(world):
+            chunks = common.rank_chunks(minibatch, rank=rank, world=world, per_rank=per_rank, micro_batch=3,
+                                        sharded=True)
+            counts.append(len(chunks))
+            for c, weight in chunks:
+                assert len(c) <= 3 and (weight == 0 or weight == len(c) * world / 9)
+                total += weight * float(values[c + rank * per_rank].mean()) / world
+        torch.testing.assert_close(total, float(values[minibatch].mean()))
+        assert len(set(counts)) == 1  # every rank runs the same forwards
+    assert common.rank_chunks(minibatch[:0], rank=0, world=2, per_rank=8, micro_batch=3, sharded=True) == []
+    assert common.rank_chunks(minibatch[1:2], rank=1, world=2, per_rank=8, micro_batch=3, sharded=False) == []
+    unsharded = common.rank_chunks(minibatch, rank=3, world=4, per_rank=4, micro_batch=3, sharded=False)
+    assert [c.tolist() for c, _ in unsharded] == [[1, 3, 2]]  # samples 13, 15, 14 of rank 3, in the batch's order
+
+
+@pytest.mark.parametrize("script", ["flow_grpo.py", "densegrpo.py"])
+def test_groups_of_equal_rewards_are_not_trained(tiny, tmp_path, monkeypatch, script):
+    """A reward that is constant for one of the two prompts: those groups have advantage 0 at every step and are
+    dropped before training (the KL too, beta > 0), so the training forwards are the other samples' only (policy
+    and reference at each trained step), and train/kept_fraction is 1 - reward/zero_std_fraction."""
+    def half_constant(images, prompts):
+        brightness = images.float().mean(dim=(1, 2, 3))
+        return torch.tensor([0.5 if p.startswith("a red") else float(b) for p, b in zip(prompts, brightness)])
+
+    monkeypatch.setattr(common, "jpeg_compressibility", half_constant)
+    prompts = tmp_path / "two.txt"
+    prompts.write_text("a red circle on the left\na blue square on the top\n")
+    out = tmp_path / "out"
+    flags = tiny_flags(tiny["flux"], str(prompts), out, num_iterations=3, eval_every=0, save_every=0, beta=0.04,
+                       prompts_per_iteration=4, num_steps=4, timestep_fraction=1.0, **(
+                           {"dense_ode_steps": 1} if script == "densegrpo.py" else {}))
+    run_in_process(script, flags, monkeypatch)
+    _, m = read_metrics(out)
+    mixed = 0
+    for it in (1, 2, 3):
+        zero = m[it]["reward/zero_std_fraction"]
+        assert m[it]["train/kept_fraction"] == pytest.approx(1 - zero)
+        rollout = m[it]["perf/nfe_rollout_per_prompt"] * 4
+        kept = round(16 * (1 - zero))
+        assert m[it]["perf/nfe_per_iteration"] - rollout == kept * 4 * 2  # policy + reference, 4 trained steps
+        mixed += 0 < zero < 1
+    assert mixed  # some iteration had both kinds of group
