@@ -208,6 +208,11 @@ def load_pipeline(model: str, device, *, dtype=torch.float32):
     if not os.path.isdir(path) and not hub_id:
         fail(f"model path {model!r} does not exist; pass a local pipeline directory, a hub id (owner/name) "
              f"or one of {sorted(MODEL_ALIASES)}")
+    import diffusers.utils.logging
+    import transformers.utils.logging
+
+    diffusers.utils.logging.disable_progress_bar()  # "Loading pipeline components": the training bar is read
+    transformers.utils.logging.disable_progress_bar()  # "Loading weights"
     try:
         pipe = DiffusionPipeline.from_pretrained(path, dtype=dtype)
     except Exception as e:  # offline hub id, broken directory, ...
@@ -491,50 +496,36 @@ class RewardModels:
     """UnifiedReward: an OpenAI-compatible server (sglang, vLLM) serving it, e.g. http://127.0.0.1:17140"""
     unifiedreward_model: str = "UnifiedReward-7b-v1.5"
     """UnifiedReward: the model name that server serves"""
+    unifiedreward_api_key: str | None = None
+    """UnifiedReward: the server's --api-key, if it has one (none: $UNIFIEDREWARD_API_KEY); never logged"""
+
+
+SECRETS = ("unifiedreward_api_key",)  # RewardModels fields never written to a log, a checkpoint or the screen
+
+
+def loggable(args) -> dict:
+    """The arguments as JSON-ready values (tuples as lists) for logs and checkpoints, every secret hidden."""
+    config = json.loads(json.dumps(dataclasses.asdict(args)))
+    models = config.get("reward_models", {})
+    for key in SECRETS:
+        models[key] = "<hidden>" if models.get(key) else models.get(key)
+    return config
 
 
 LEARNED = ["hps", "clip", "pickscore", "imagereward", "aesthetic", "unifiedreward"]  # rewards.py's models
 REWARDS = LEARNED + ["jpeg", "toy_color_position", "toy_shape_count", "toy_strict"]
-REWARD_SOURCES = {  # the RewardModels fields each reward reads
-    "hps": ["hps_checkpoint"], "clip": ["clip_model"], "aesthetic": ["aesthetic_head", "aesthetic_clip"],
-    "pickscore": ["pickscore_model", "pickscore_processor"],
-    "imagereward": ["imagereward_checkpoint", "imagereward_med_config", "imagereward_tokenizer"]}
-
-
-def is_local_path(spec: str) -> bool:
-    """A reward model location meant as a local path (not 'owner/name', 'owner/name:file', 'hf-hub:...')."""
-    if spec.startswith(("hf-hub:", "http://", "https://")):
-        return False
-    repo = spec.split(":")[0]
-    return spec.startswith((".", "/", "~")) or repo.count("/") > 1 or repo.endswith((".pt", ".pth", ".json"))
 
 
 def check_rewards(names, models: RewardModels):
-    """Unknown reward names and local reward files that do not exist, as one-line errors, before any model
-    loads."""
+    """Unknown reward names, and (rewards.check) reward model files that do not exist, as one-line errors
+    before any model loads."""
     for name in names:
         if name not in REWARDS:
             fail(f"unknown reward {name!r}; choose from {REWARDS}")
-        if name == "unifiedreward" and not models.unifiedreward_url:
-            fail("the unifiedreward reward needs --unifiedreward-url, the address of a server that serves it")
-        for field in REWARD_SOURCES.get(name, []):
-            spec = getattr(models, field)
-            if is_local_path(spec) and not os.path.exists(os.path.expanduser(spec)):
-                flag = "--" + field.replace("_", "-")
-                fail(f"{flag} {spec!r} does not exist; pass an existing path or a hub id")
+        if name in LEARNED:
+            import rewards
 
-
-def load_safely(path: str, *, what: str = "weights"):
-    """Weights from safetensors, or a pickle read with weights_only=True (a downloaded pickle cannot run
-    code); a file that cannot be read is a one-line error naming `what` (e.g. the flag that gave it)."""
-    try:
-        if path.endswith(".safetensors"):
-            from safetensors.torch import load_file
-            return load_file(path)
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # a truncated download, another format, a pickle with code in it
-        reason = (str(e).strip().splitlines() or [""])[0][:160]
-        fail(f"{what} {path!r} cannot be read ({type(e).__name__}: {reason})")
+            rewards.check(name, models)
 
 
 def jpeg_compressibility(images, prompts):
@@ -799,7 +790,7 @@ def make_writer(run_dir: str, args, *, resume_iteration: int | None = None):
             for name in os.listdir(d) if os.path.isdir(d) else []:
                 if name.startswith("eval_") and (iteration_of(name) or 0) > done:
                     os.remove(os.path.join(d, name))
-    config = dataclasses.asdict(args)
+    config = loggable(args)
     if args.track:
         import wandb
 
@@ -903,7 +894,7 @@ def resume_checkpoint(path: str, *, args, world: int, script: str) -> tuple[str,
         fail(f"checkpoint {ckpt!r} cannot be read ({type(e).__name__} in run.json); resume from another one")
     if saved["script"] != script:
         fail(f"checkpoint {ckpt!r} was made by {saved['script']}, not {script}; resume it with that file")
-    now = json.loads(json.dumps(dataclasses.asdict(args)))  # as run.json holds them (lists, not tuples)
+    now = loggable(args)  # as run.json holds them
     for key in FIXED_ON_RESUME:
         if saved["args"].get(key) != now[key]:
             fail(f"checkpoint {ckpt!r} has --{key.replace('_', '-')} {saved['args'].get(key)}, this run "
@@ -977,7 +968,7 @@ def save_state(path: str, *, iteration: int, transformer, optimizer, params: dic
                                              transformer_lora_adapter_metadata=adapter)
     if rank == 0:
         run = {"iteration": iteration, "script": os.path.basename(sys.argv[0]), "world": world,
-               "sharded": sharded, "args": dataclasses.asdict(args)}
+               "sharded": sharded, "args": loggable(args)}
         with open(os.path.join(tmp, "run.json"), "w") as f:
             json.dump(run, f, indent=1)
     _barrier()
@@ -1007,7 +998,10 @@ def load_state(path: str, *, transformer, optimizer, params: dict, sharded: bool
                        optim_state_dict=shards["optim"])
         saved_ema = None
     else:
-        state = load_safely(os.path.join(path, "state.pt"), what="the checkpoint")
+        try:  # weights_only: a pickle cannot run code
+            state = torch.load(os.path.join(path, "state.pt"), map_location="cpu", weights_only=True)
+        except Exception as e:  # a truncated or foreign file
+            fail(f"checkpoint {path!r} cannot be read ({type(e).__name__} in state.pt); resume another one")
         with torch.no_grad():
             for n, p in params.items():
                 p.copy_(state["trainable"][n])

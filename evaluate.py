@@ -33,7 +33,7 @@ import gc
 import json
 import math
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -41,7 +41,7 @@ import tyro
 
 from common import (MODEL_ALIASES, RewardModels, broadcast_object, check_rewards, decode, encode_prompts,
                     fail, gather_cat, latent_shape, latest_checkpoint, load_pipeline, load_prompt_set,
-                    load_rewards, ode_complete, paired_change, parse_args, pipeline_sigmas, score,
+                    load_rewards, loggable, ode_complete, paired_change, parse_args, pipeline_sigmas, score,
                     setup_distributed)
 
 
@@ -312,7 +312,7 @@ if __name__ == "__main__":
         num_prompts = len(pairs) // args.seeds_per_prompt
         report = table(args, entries, [{k: v.tolist() for k, v in s.items()} for s in all_scores],
                        num_prompts=num_prompts, kind=kind)
-        settings = {k: v for k, v in asdict(args).items() if k not in ("checkpoints", "out")}
+        settings = {k: v for k, v in loggable(args).items() if k not in ("checkpoints", "out")}
         settings.update(kind=kind, world=world, num_pairs=len(pairs), pair_prompts=[p for p, _ in pairs],
                         pair_noise_seeds=[s for _, s in pairs])
         os.makedirs(args.out, exist_ok=True)

@@ -1,7 +1,8 @@
 """The learned reward models, each loaded as fn(images [B, 3, H, W] in [0, 1], prompts) -> float32 [B]:
 HPS-v2.1 and the CLIP score (open_clip), PickScore, ImageReward (a port onto transformers' BLIP modules), the
 LAION aesthetic predictor, UnifiedReward (a client for an OpenAI-compatible server). common.load_rewards
-imports this module only when one of them is asked for; where their weights come from is common.RewardModels.
+imports this module only when one of them is asked for; where their weights come from is common.RewardModels
+(read here by attribute: this module imports nothing of the project, so it can be copied alone).
 
 The towers run in the given dtype (bf16 on GPUs), every projection, logit scale and head in float32."""
 import io
@@ -10,7 +11,48 @@ import os
 
 import torch
 
-from common import RewardModels, fail, load_safely
+
+def fail(message: str):
+    """Stop with a one-line error (no traceback), as common.fail."""
+    raise SystemExit(f"error: {message}")
+
+
+REWARD_SOURCES = {  # the RewardModels fields each reward reads
+    "hps": ["hps_checkpoint"], "clip": ["clip_model"], "aesthetic": ["aesthetic_head", "aesthetic_clip"],
+    "pickscore": ["pickscore_model", "pickscore_processor"],
+    "imagereward": ["imagereward_checkpoint", "imagereward_med_config", "imagereward_tokenizer"]}
+
+
+def is_local_path(spec: str) -> bool:
+    """A reward model location meant as a local path (not 'owner/name', 'owner/name:file', 'hf-hub:...')."""
+    if spec.startswith(("hf-hub:", "http://", "https://")):
+        return False
+    repo = spec.split(":")[0]
+    return spec.startswith((".", "/", "~")) or repo.count("/") > 1 or repo.endswith((".pt", ".pth", ".json"))
+
+
+def check(name: str, models):
+    """The locations reward `name` reads from `models` (a common.RewardModels): a local file that does not
+    exist, or UnifiedReward without a server, is a one-line error before any model loads."""
+    if name == "unifiedreward" and not models.unifiedreward_url:
+        fail("the unifiedreward reward needs --unifiedreward-url, the address of a server that serves it")
+    for field in REWARD_SOURCES.get(name, []):
+        spec = getattr(models, field)
+        if is_local_path(spec) and not os.path.exists(os.path.expanduser(spec)):
+            fail(f"--{field.replace('_', '-')} {spec!r} does not exist; pass an existing path or a hub id")
+
+
+def load_safely(path: str, *, what: str = "weights"):
+    """Weights from safetensors, or a pickle read with weights_only=True (a downloaded pickle cannot run
+    code); a file that cannot be read is a one-line error naming `what` (e.g. the flag that gave it)."""
+    try:
+        if path.endswith(".safetensors"):
+            from safetensors.torch import load_file
+            return load_file(path)
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # a truncated download, another format, a pickle with code in it
+        reason = (str(e).strip().splitlines() or [""])[0][:160]
+        fail(f"{what} {path!r} cannot be read ({type(e).__name__}: {reason})")
 
 
 def hub_file(spec: str, flag: str) -> str:
@@ -26,8 +68,8 @@ def hub_file(spec: str, flag: str) -> str:
              f"path")
 
 
-def load(name: str, device, *, models: RewardModels, dtype=torch.float32):
-    """The reward `name` (one of common.LEARNED), from the locations in `models`."""
+def load(name: str, device, *, models, dtype=torch.float32):
+    """The reward `name` (one of common.LEARNED), from the locations in `models` (a common.RewardModels)."""
     if name == "hps":
         checkpoint = hub_file(models.hps_checkpoint, "--hps-checkpoint")
         return open_clip_reward("ViT-H-14", device, checkpoint, pad_square=True, dtype=dtype)
@@ -41,14 +83,15 @@ def load(name: str, device, *, models: RewardModels, dtype=torch.float32):
     if name == "aesthetic":
         return aesthetic_reward(models.aesthetic_head, models.aesthetic_clip, device, dtype=dtype)
     if name == "unifiedreward":
-        return unifiedreward_reward(models.unifiedreward_url, model=models.unifiedreward_model)
+        key = models.unifiedreward_api_key or os.environ.get("UNIFIEDREWARD_API_KEY")
+        return unifiedreward_reward(models.unifiedreward_url, model=models.unifiedreward_model, api_key=key)
     fail(f"{name!r} is not a reward model of rewards.py")
 
 
-def _clip_preprocess(images, size: int, mean, std, *, pad_square: bool):
+def _clip_preprocess(images, size: int, mean, std, *, pad_square: bool, crop_offset: str = "round"):
     """Resize the longest side to `size` and pad (HPS's ResizeMaxSize, sizes rounded), or the shortest side
-    and centre-crop (torchvision's and CLIP's processors: sizes truncated, the crop offset rounded);
-    normalise."""
+    and centre-crop (sizes truncated; the crop offset rounded as torchvision's CenterCrop, crop_offset
+    "round", or floored as transformers' CLIPImageProcessor, "floor"); normalise."""
     import torch.nn.functional as F
 
     h, w = images.shape[-2:]
@@ -62,7 +105,10 @@ def _clip_preprocess(images, size: int, mean, std, *, pad_square: bool):
     if pad_square:
         x = F.pad(x, (0, size - nw, 0, size - nh))
     else:
-        top, left = round((nh - size) / 2), round((nw - size) / 2)
+        if crop_offset == "floor":
+            top, left = (nh - size) // 2, (nw - size) // 2
+        else:
+            top, left = round((nh - size) / 2), round((nw - size) / 2)
         x = x[..., top:top + size, left:left + size]
     mean, std = torch.tensor(mean).view(1, 3, 1, 1).to(x), torch.tensor(std).view(1, 3, 1, 1).to(x)
     return (x - mean) / std
@@ -147,7 +193,8 @@ def pickscore_reward(model_path: str, processor_path: str, device, *, dtype=torc
 
     @torch.no_grad()
     def score(images, prompts):
-        x = _clip_preprocess(images.to(device), size, ip.image_mean, ip.image_std, pad_square=False).to(dtype)
+        x = _clip_preprocess(images.to(device), size, ip.image_mean, ip.image_std, pad_square=False,
+                            crop_offset="floor").to(dtype)
         tok = processor.tokenizer(list(prompts), padding="max_length", truncation=True, max_length=77,
                                   return_tensors="pt").to(device)
         img = torch.nn.functional.normalize(image_head(vision(pixel_values=x).pooler_output.float()), dim=-1)
@@ -277,7 +324,8 @@ def aesthetic_reward(head: str, clip_model: str, device, *, dtype=torch.float32)
 
     @torch.no_grad()
     def score(images, prompts):
-        x = _clip_preprocess(images.to(device), size, ip.image_mean, ip.image_std, pad_square=False).to(dtype)
+        x = _clip_preprocess(images.to(device), size, ip.image_mean, ip.image_std, pad_square=False,
+                            crop_offset="floor").to(dtype)
         embedding = image_head(vision(pixel_values=x).pooler_output.float())
         return mlp(torch.nn.functional.normalize(embedding, dim=-1)).squeeze(-1)
 
@@ -295,13 +343,14 @@ UNIFIEDREWARD_QUESTION = (
     "follows:\nText Caption: [{prompt}]")
 
 
-def unifiedreward_reward(url: str, *, model: str, scale: float = 5.0, workers: int = 8, timeout: float = 120,
-                         retries: int = 3):
+def unifiedreward_reward(url: str, *, model: str, api_key: str | None = None, scale: float = 5.0,
+                         workers: int = 8, timeout: float = 120, retries: int = 3):
     """UnifiedReward from a server with the OpenAI chat-completions API (sglang, vLLM): one request per image
     (its 512 x 512 PNG as a data URL, then UNIFIEDREWARD_QUESTION), temperature 0, `workers` at a time, each
     retried `retries` times after connection errors, timeouts and 5xx; the first 'Final Score: x' (1-5) of the
-    answer / `scale` (5: Flow-GRPO's reward; 1: the papers' 1-5). A server that cannot be reached or an answer
-    without a score stops the run with a one-line error (never a silent 0)."""
+    answer / `scale` (5: Flow-GRPO's reward; 1: the papers' 1-5). `api_key` goes as 'Authorization: Bearer'
+    (a server started with --api-key). A server that cannot be reached, a refused key or an answer without a
+    score stops the run with a one-line error (never a silent 0)."""
     import base64
     import concurrent.futures
     import re
@@ -322,6 +371,8 @@ def unifiedreward_reward(url: str, *, model: str, scale: float = 5.0, workers: i
                    {"type": "text", "text": UNIFIEDREWARD_QUESTION.format(prompt=prompt)}]
         body = {"model": model, "messages": [{"role": "user", "content": content}], "temperature": 0}
         headers = {"Content-Type": "application/json"}
+        if api_key:
+            headers["Authorization"] = f"Bearer {api_key}"
         request = urllib.request.Request(endpoint, json.dumps(body).encode(), headers)
         for attempt in range(retries + 1):
             time.sleep(0.5 * (2**attempt - 1))  # 0, 0.5, 1.5, 3.5 s
@@ -329,6 +380,10 @@ def unifiedreward_reward(url: str, *, model: str, scale: float = 5.0, workers: i
                 with opener.open(request, timeout=timeout) as response:
                     return json.loads(response.read())["choices"][0]["message"]["content"] or ""
             except urllib.error.HTTPError as e:
+                if e.code in (401, 403):
+                    why = "refused the API key" if api_key else "needs an API key and none was given"
+                    fail(f"the UnifiedReward server {endpoint} {why} (HTTP {e.code}); pass the key it was "
+                         f"started with (--api-key) as --unifiedreward-api-key or $UNIFIEDREWARD_API_KEY")
                 error = f"HTTP {e.code}"
                 if e.code < 500:  # a bad request stays bad
                     break

@@ -422,8 +422,9 @@ def main():
                         "rehearses the GPU's dtypes on a CPU)")
     a = p.parse_args()
     import common
+    import rewards
 
-    ORIGINAL.update(load_rewards=common.load_rewards, load_rewards_load_safely=common.load_safely)
+    ORIGINAL.update(load_rewards=common.load_rewards, load_rewards_load_safely=rewards.load_safely)
     t_start = time.time()
     device = torch.device("cpu" if a.tiny else "cuda")
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, None: torch.float32 if a.tiny else torch.bfloat16}[a.dtype]

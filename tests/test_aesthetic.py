@@ -88,9 +88,12 @@ def test_matches_hand_computation_in_float64(tiny):
     assert expected.max() - expected.min() > 1e-3
 
 
-def test_matches_the_processor_path_of_flow_grpo(tiny):
-    """At the native size the reward equals Flow-GRPO's CLIPProcessor + get_image_features path."""
+@pytest.mark.parametrize("width", [32, 35])
+def test_matches_the_processor_path_of_flow_grpo(tiny, width):
+    """At the native size (and 32 x 35: the processor floors the crop offset) the reward equals Flow-GRPO's
+    CLIPProcessor + get_image_features path."""
     x = images(4, seed=1)
+    x = torch.cat([x, x[..., :width - 32]], dim=-1)
     torch.testing.assert_close(aesthetic_reward(*tiny, "cpu")(x, [""] * 4), flow_grpo_way(*tiny, x),
                                rtol=1e-4, atol=1e-4)
 

@@ -16,7 +16,8 @@ import torch
 from PIL import Image
 
 import rewards
-from common import RewardModels, jpeg_compressibility, load_rewards, load_safely, score
+from common import RewardModels, jpeg_compressibility, load_rewards, score
+from rewards import load_safely
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 IMAGEREWARD = os.path.join(ROOT, "tests", "data", "imagereward")
@@ -162,14 +163,16 @@ def test_clip_score_from_local_dir(tmp_path):
     torch.testing.assert_close(r, expected, rtol=1e-4, atol=1e-5)
 
 
-def test_pickscore_matches_processor_and_formula(tmp_path):
-    """PickScore = logit_scale.exp() cos / 26 with the inputs CLIPProcessor makes from the PIL images."""
+@pytest.mark.parametrize("width", [32, 35])
+def test_pickscore_matches_processor_and_formula(tmp_path, width):
+    """PickScore = logit_scale.exp() cos / 26 with the inputs CLIPProcessor makes from the PIL images, square
+    and 32 x 35 (a 3-pixel margin: CLIPImageProcessor floors the crop offset)."""
     from transformers import CLIPModel
 
     tiny_clip_model(tmp_path / "model")
     processor = tiny_clip_processor(tmp_path / "processor", tmp_path / "tok")
     fn = rewards.pickscore_reward(str(tmp_path / "model"), str(tmp_path / "processor"), "cpu")
-    x, prompts = images(), ["a cat", "a dog on the left", "a photo"]
+    x, prompts = images(width=width), ["a cat", "a dog on the left", "a photo"]
     model = CLIPModel.from_pretrained(tmp_path / "model").eval()
     pil = [Image.fromarray((im * 255).round().byte().permute(1, 2, 0).numpy()) for im in x]
     inputs = processor(text=prompts, images=pil, padding="max_length", max_length=77, truncation=True,
@@ -180,6 +183,37 @@ def test_pickscore_matches_processor_and_formula(tmp_path):
         txt = torch.nn.functional.normalize(out.text_embeds, dim=-1)
     expected = model.logit_scale.exp() * (img * txt).sum(-1) / 26
     torch.testing.assert_close(fn(x, prompts), expected, rtol=1e-4, atol=1e-4)
+
+
+def smooth_image(h, w, seed):
+    """A [1, 3, h, w] image of 8-bit values varying smoothly (as photographs do), for comparing resizes."""
+    base = torch.rand(1, 3, 6, 6, generator=torch.Generator().manual_seed(seed))
+    return (torch.nn.functional.interpolate(base, size=(h, w), mode="bilinear") * 255).round() / 255
+
+
+@pytest.mark.parametrize("h, w", [(227, 224), (224, 231), (260, 256), (256, 360)])
+def test_clip_preprocessing_crops_like_the_processors(h, w):
+    """PickScore and the aesthetic predictor crop as transformers' CLIPImageProcessor (the offset floored), the
+    CLIP score and ImageReward as torchvision's CenterCrop (rounded), on non-square sizes whose margins round
+    differently (3, 7; after the resize 3 and 91 pixels). Without a resize (one side 224) both are exact on noise;
+    with one, torch's antialiased bicubic and PIL's differ a little on a smooth image (measured 0.016 in normalised
+    units), while the other offset rule is off by > 0.05."""
+    from torchvision import transforms
+    from transformers import CLIPImageProcessor
+
+    x = images(1, size=h, width=w, seed=h + w) if min(h, w) == 224 else smooth_image(h, w, h + w)
+    pil = Image.fromarray((x[0] * 255).round().byte().permute(1, 2, 0).numpy())
+    ip = CLIPImageProcessor()  # shortest edge 224, crop 224, the OpenAI mean / std
+    processor = ip(images=pil, return_tensors="pt").pixel_values
+    floor = rewards._clip_preprocess(x, 224, ip.image_mean, ip.image_std, pad_square=False, crop_offset="floor")
+    rounded = rewards._clip_preprocess(x, 224, ip.image_mean, ip.image_std, pad_square=False)
+    bicubic = transforms.InterpolationMode.BICUBIC
+    tv = transforms.Compose([transforms.Resize(224, interpolation=bicubic, antialias=True),
+                             transforms.CenterCrop(224), transforms.Normalize(ip.image_mean, ip.image_std)])
+    torch.testing.assert_close(rounded, tv(x), rtol=0, atol=1e-5)
+    tolerance = 1e-5 if min(h, w) == 224 else 0.03
+    assert (floor - processor).abs().max() < tolerance
+    assert (rounded - processor).abs().max() > 0.05
 
 
 def test_pickle_checkpoints_cannot_run_code(tmp_path):
@@ -205,7 +239,8 @@ def test_check_rewards_fails_in_one_line_before_any_model_loads():
     """Unknown names (the message lists the allowed ones), a local path that does not exist (the message
     names its flag) and unifiedreward without a server URL: one-line errors from load_rewards, raised before
     the first named reward ('clip', from the hub) loads: a fresh interpreter that runs them never imports
-    rewards.py, open_clip or transformers, with the hub offline (a load attempt would fail differently)."""
+    open_clip or transformers, with the hub offline (a load attempt would fail differently); rewards.py itself, a
+    leaf that imports torch only, is imported for its checks of the reward files."""
     code = """if True:
         import sys, common
         models = common.RewardModels(hps_checkpoint="/nonexistent/HPS_v2.1_compressed.pt")
@@ -214,7 +249,7 @@ def test_check_rewards_fails_in_one_line_before_any_model_loads():
                 common.load_rewards(names, "cpu", models=models)
             except SystemExit as e:
                 print(e)
-        print(sorted(m for m in ("rewards", "open_clip", "transformers") if m in sys.modules))"""
+        print(sorted(m for m in ("open_clip", "transformers", "diffusers") if m in sys.modules))"""
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=ROOT)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env,
                           timeout=120)
@@ -234,7 +269,7 @@ def test_check_rewards_fails_in_one_line_before_any_model_loads():
 # max |bf16 - float32| of each reward on its tiny random model, measured on the CPU (torch 2.14.1, 1 or 2
 # threads alike) with the inputs of test_bf16_towers_float32_heads (pytest -s prints them):
 #   hps 1.7e-3 (cosines -0.31 to -0.17), clip 2.5e-3 (cosines -0.10 to 0.27), pickscore 1.0e-2
-#   (100 cos / 26: -0.34 to 0.42), imagereward 2.0e-2 (-0.82 to 0.33), aesthetic 1.7e-3 (-0.38 to -0.33).
+#   (100 cos / 26: -0.34 to 0.42), imagereward 1.4e-2 (-0.74 to 0.48), aesthetic 1.7e-3 (-0.38 to -0.33).
 # Random tiny towers, not the real ones (ViT-H-14, BLIP, ViT-L/14 were not measured); the bounds are ~2x.
 BF16_BOUND = {"hps": 4e-3, "clip": 5e-3, "pickscore": 2e-2, "imagereward": 4e-2, "aesthetic": 4e-3}
 # what the towers are in each reward's score function (bf16); everything else it holds must be float32
@@ -270,7 +305,7 @@ def tiny_rewards(tmp_path_factory):
 
     with open(os.path.join(IMAGEREWARD, "golden.json")) as f:
         golden = json.load(f)
-    pixels = [np.array(Image.open(os.path.join(IMAGEREWARD, p))) for p in golden["images"][:4]]  # 32 x 32
+    pixels = [np.array(Image.open(os.path.join(IMAGEREWARD, p))) for p in golden["images"][:4]]  # 224 x 224
     ir_images = torch.stack([torch.from_numpy(p).permute(2, 0, 1).float() / 255 for p in pixels])
     prompts = ["a cat", "a dog on the left", "a red circle", "a photo of two cubes"]
     return {
@@ -345,3 +380,22 @@ def test_bf16_pickscore_logit_scale_stays_float32(tiny_rewards, tmp_path):
     assert cosine.abs().min() > 0.01  # away from 0: the ratio is well defined
     torch.testing.assert_close(scaled / cosine, expected.expand(4), rtol=1e-6, atol=0)
     assert not torch.allclose(scaled / cosine, torch.tensor(4.59375).exp().expand(4) / 26, rtol=1e-3)
+
+
+def test_rewards_is_a_leaf_that_imports_nothing_of_the_project(tmp_path):
+    """rewards.py imports no module of this project (the dependency reads one way: common -> rewards), so it works
+    copied alone into an empty directory: it imports there and reports a missing file in one line."""
+    import ast
+    import shutil
+
+    tree = ast.parse(open(os.path.join(ROOT, "rewards.py")).read())
+    imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    imported |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    ours = {os.path.splitext(f)[0] for f in os.listdir(ROOT) if f.endswith(".py")} | {"toy", "tests", "results"}
+    assert not imported & ours, imported & ours
+    shutil.copy(os.path.join(ROOT, "rewards.py"), tmp_path)
+    code = ("import types, rewards; rewards.check('hps', types.SimpleNamespace(hps_checkpoint='/nowhere/x.pt'))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONPATH=""))
+    assert proc.returncode == 1 and proc.stderr.strip() == ("error: --hps-checkpoint '/nowhere/x.pt' does not exist; "
+                                                            "pass an existing path or a hub id"), proc.stderr

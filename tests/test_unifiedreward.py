@@ -6,6 +6,7 @@ URL) and a text part, answered in the chat-completion JSON shape. It is no model
 import base64
 import io
 import json
+import os
 import re
 import socket
 import threading
@@ -26,7 +27,7 @@ class StandIn(ThreadingHTTPServer):
     def __init__(self):
         super().__init__(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server_address[1]}"
-        self.delay, self.fail_first, self.status, self.answer = 0.0, 0, 503, None
+        self.delay, self.fail_first, self.status, self.answer, self.key = 0.0, 0, 503, None, None
         self.lock, self.requests, self.errors, self.active, self.peak = threading.Lock(), [], [], 0, 0
 
 
@@ -45,6 +46,8 @@ class Handler(BaseHTTPRequestHandler):
     def do_POST(self):
         s: StandIn = self.server
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if s.key is not None and self.headers.get("Authorization") != f"Bearer {s.key}":
+            return self.reply(401, {"error": "unauthorized"})  # sglang's --api-key check
         with s.lock:
             s.requests.append({"body": body, "path": self.path})
             n, s.active = len(s.requests), s.active + 1
@@ -198,3 +201,52 @@ def test_answer_without_a_score_is_a_one_line_error(server):
     server.answer = "Final Score: 0"  # outside 1-5, as Flow-GRPO's pattern reads it: no score either
     with pytest.raises(SystemExit, match="has no 'Final Score"):
         fn(flat([0.5])[0], ["a"])
+
+
+def test_a_server_started_with_an_api_key(server, monkeypatch):
+    """A server started with --api-key (sglang answers 401 without it): the key from --unifiedreward-api-key or
+    $UNIFIEDREWARD_API_KEY goes as 'Authorization: Bearer <key>'; a missing or wrong key is a one-line error
+    that says so (not 'start it'), after one try."""
+    import rewards
+    from common import RewardModels
+
+    server.key = "flowgrpo"
+    x, expected = flat([0.2, 0.7])
+    r = unifiedreward_reward(server.url, model="m", api_key="flowgrpo")(x, ["a", "b"])
+    torch.testing.assert_close(r, torch.tensor(expected) / 5)
+    monkeypatch.setenv("UNIFIEDREWARD_API_KEY", "flowgrpo")
+    fn = rewards.load("unifiedreward", "cpu", models=RewardModels(unifiedreward_url=server.url))
+    torch.testing.assert_close(fn(x, ["a", "b"]), torch.tensor(expected) / 5)
+    monkeypatch.delenv("UNIFIEDREWARD_API_KEY")
+    endpoint = re.escape(server.url + "/v1/chat/completions")
+    for key, why in [(None, "needs an API key and none was given"), ("wrong", "refused the API key")]:
+        with pytest.raises(SystemExit, match=rf"^error: the UnifiedReward server {endpoint} {why} \(HTTP 401\); "
+                                             r"pass the key it was started with") as e:
+            unifiedreward_reward(server.url, model="m", api_key=key, workers=1)(flat([0.5])[0], ["a"])
+        assert "\n" not in str(e.value) and "wrong" not in str(e.value)
+    assert len(server.requests) == 4  # the 401s were not retried (nor recorded)
+
+
+def test_the_api_key_is_never_logged_or_saved(server, tiny, tmp_path):
+    """A run that scores UnifiedReward with a key: the key appears in no file of the run directory (run.json,
+    metrics, TensorBoard events, checkpoints) and nowhere in what the run printed; run.json says it was hidden."""
+    import glob
+    import json
+
+    from helpers import read_metrics, run_script, tiny_flags
+
+    server.key = "s3cr3t-key-4242"
+    flags = tiny_flags(tiny["flux"], tiny["prompts"], tmp_path / "out", num_iterations=1, eval_every=1,
+                       eval_rewards="unifiedreward", unifiedreward_url=server.url,
+                       unifiedreward_api_key=server.key)
+    proc = run_script("flow_grpo.py", flags)
+    run_dir, m = read_metrics(tmp_path / "out")
+    assert "eval/unifiedreward" in m[1] and server.requests
+    for path in glob.glob(os.path.join(run_dir, "**", "*"), recursive=True):
+        if os.path.isfile(path):
+            with open(path, "rb") as f:
+                assert server.key.encode() not in f.read(), path
+    assert server.key not in proc.stdout + proc.stderr
+    (run_json,) = glob.glob(os.path.join(run_dir, "checkpoints", "*", "run.json"))
+    with open(run_json) as f:
+        assert json.load(f)["args"]["reward_models"]["unifiedreward_api_key"] == "<hidden>"
