@@ -205,6 +205,9 @@ def load_pipeline(model: str, device, *, dtype=torch.float32):
 
     path = MODEL_ALIASES.get(model, model)
     hub_id = path.count("/") == 1 and not path.startswith((".", "/", "~")) and not os.path.exists(path)
+    if model == "toy" and not os.path.isdir(path):
+        fail(f"the toy model is not at {path!r}: copy this project's toy/flux-shapes there (README: copying "
+             f"one file), or pass --model <a pipeline directory>")
     if not os.path.isdir(path) and not hub_id:
         fail(f"model path {model!r} does not exist; pass a local pipeline directory, a hub id (owner/name) "
              f"or one of {sorted(MODEL_ALIASES)}")
@@ -216,6 +219,9 @@ def load_pipeline(model: str, device, *, dtype=torch.float32):
     try:
         pipe = DiffusionPipeline.from_pretrained(path, dtype=dtype)
     except Exception as e:  # offline hub id, broken directory, ...
+        if hub_id:
+            fail(f"model {model!r} is no local directory, and no hub model that could be loaded "
+                 f"({type(e).__name__}: offline, or no such model); pass a local pipeline directory")
         fail(f"cannot load model {model!r}: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
     kinds = [(FluxPipeline, "flux"), (StableDiffusion3Pipeline, "sd3")]
     kind = next((k for cls, k in kinds if isinstance(pipe, cls)), None)
@@ -516,6 +522,21 @@ LEARNED = ["hps", "clip", "pickscore", "imagereward", "aesthetic", "unifiedrewar
 REWARDS = LEARNED + ["jpeg", "toy_color_position", "toy_shape_count", "toy_strict"]
 
 
+def import_sibling(name: str):
+    """A module of this project next to common.py ("rewards", "toy.world"); one that was not copied with it is
+    a one-line error that says what to copy."""
+    import importlib
+
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as e:
+        if e.name not in (name, name.split(".")[0]):
+            raise  # a package that module needs: its own message is the right one
+        path = name.replace(".", "/") + ".py"
+        fail(f"{path} is missing: copy this project's {path} next to common.py as {path} (README: copying "
+             f"one file)")
+
+
 def check_rewards(names, models: RewardModels):
     """Unknown reward names, and (rewards.check) reward model files that do not exist, as one-line errors
     before any model loads."""
@@ -523,9 +544,7 @@ def check_rewards(names, models: RewardModels):
         if name not in REWARDS:
             fail(f"unknown reward {name!r}; choose from {REWARDS}")
         if name in LEARNED:
-            import rewards
-
-            rewards.check(name, models)
+            import_sibling("rewards").check(name, models)
 
 
 def jpeg_compressibility(images, prompts):
@@ -547,14 +566,11 @@ def load_rewards(names, device, *, models: RewardModels, dtype=torch.float32) ->
     out = {}
     for name in dict.fromkeys(names):
         if name in LEARNED:  # the reward models' ports live in rewards.py (README: layout)
-            import rewards
-
-            out[name] = rewards.load(name, device, models=models, dtype=dtype)
+            out[name] = import_sibling("rewards").load(name, device, models=models, dtype=dtype)
         elif name == "jpeg":
             out[name] = jpeg_compressibility
         else:  # the toy world's exact rewards (toy/world.py)
-            from toy import world
-
+            world = import_sibling("toy.world")
             out[name] = getattr(world, {"toy_strict": "toy_strict_accuracy"}.get(name, name + "_reward"))
     return out
 
@@ -563,6 +579,9 @@ def load_rewards(names, device, *, models: RewardModels, dtype=torch.float32) ->
 def score(rewards: dict, images, prompts) -> dict:
     """{name: float tensor [B] on the CPU}; a NaN or infinite reward is an error, never silently trained
     on."""
+    if not torch.isfinite(images).all():  # not the rewards' fault
+        fail("the sampled images are not finite (NaN): sampling diverged; lower --noise-level (or psi), or "
+             "--learning-rate if it happened after some updates")
     out = {}
     for name, fn in rewards.items():
         r = fn(images, prompts).float().cpu()
@@ -577,8 +596,11 @@ def load_prompt_set(path: str, *, split: str = "train", rewards=()) -> list[str]
     line (Flow-GRPO's GenEval metadata), or 'toy': the toy world's grammar. If `rewards` name a toy reward,
     every prompt must be in its grammar (checked here, before any model loads)."""
     if path == "toy":
-        from toy.world import toy_prompts
+        toy_prompts = import_sibling("toy.world").toy_prompts
         return toy_prompts(4096 if split == "train" else 1024, seed=0 if split == "train" else 1)
+    if os.path.isdir(path):
+        fail(f"prompt file {path!r} is a directory; pass a text file with one prompt per line (or a .jsonl "
+             f"file)")
     if not os.path.isfile(path):
         fail(f"prompt file {path!r} does not exist; README 'Prompt sets' says where each paper's prompts "
              f"come from (or pass any text file with one prompt per line)")
@@ -601,7 +623,7 @@ def load_prompt_set(path: str, *, split: str = "train", rewards=()) -> list[str]
         fail(f"prompt file {path!r} is empty; it needs at least one prompt (one per line)")
     toy_rewards = [r for r in rewards if r.startswith("toy_")]
     if toy_rewards:
-        from toy.world import parse_toy_prompt
+        parse_toy_prompt = import_sibling("toy.world").parse_toy_prompt
         for p in prompts:
             try:
                 parse_toy_prompt(p)
@@ -625,7 +647,11 @@ def parse_args(args_class, *, toy: dict, description: str):
     import tyro
 
     argv = sys.argv[1:]
-    wants_toy = "--model=toy" in argv or any(a == "--model" and b == "toy" for a, b in zip(argv, argv[1:]))
+    given = [b for a, b in zip(argv, argv[1:]) if a == "--model"]
+    given += [a[len("--model="):] for a in argv if a.startswith("--model=")]
+    # the toy pipeline, by its alias or by its toy_world.json wherever it was copied (toy/make_toy.py)
+    marker = bool(given) and os.path.isfile(os.path.join(given[-1], "toy_world.json"))
+    wants_toy = bool(given) and (given[-1] == "toy" or marker)
     default = dataclasses.replace(args_class(), **toy) if wants_toy else args_class()
     if wants_toy:
         description += " (--model toy: the defaults below are the file's TOY preset)"
@@ -640,32 +666,84 @@ def parse_args(args_class, *, toy: dict, description: str):
         sys.exit(0)
 
 
+# what each numeric argument of the entry points allows: "> a", ">= a" or an interval (each value of a tuple)
+ARG_RANGES = {
+    "seed": ">= 0", "resolution": ">= 1", "max_sequence_length": ">= 1", "guidance": ">= 0",
+    "reward_weights": "> 0", "num_steps": ">= 1", "eval_steps": ">= 1", "group_size": ">= 2",
+    "prompts_per_iteration": ">= 1", "micro_batch": ">= 1", "noise_level": ">= 0", "shift": "> 0",
+    "timestep_fraction": "(0, 1]", "adv_eps": ">= 0", "adv_clip": "> 0", "clip_range": "> 0", "beta": ">= 0",
+    "lora_rank": ">= 1", "lora_alpha": "> 0", "learning_rate": "> 0", "weight_decay": ">= 0",
+    "max_grad_norm": "> 0", "updates_per_iteration": ">= 1", "ema_decay": "[0, 1)", "ema_every": ">= 1",
+    "num_iterations": ">= 1", "eval_every": ">= 0", "eval_num": ">= 1", "save_every": ">= 0",
+    "keep_checkpoints": ">= 0", "log_images_every": ">= 0",
+    # algorithm specific: CoCA, DenseGRPO, G2RPO, MixGRPO
+    "coca_window": ">= 1", "coca_alpha": "[0, 1]", "dense_ode_steps": ">= 1", "eps1": "> 0", "eps2": "> 0",
+    "psi_range": "[0, 10]", "sde_steps": ">= 0", "lambdas": ">= 1", "window_size": ">= 1",
+    "window_stride": ">= 0", "window_shift_interval": ">= 1", "flash_compress": "(0, 1]",
+    # evaluate.py
+    "num_prompts": ">= 1", "seeds_per_prompt": ">= 1", "steps": ">= 1",
+}
+
+
+def in_range(value, rule: str) -> bool:
+    """A finite number (not a bool) that satisfies `rule`: "> a", ">= a", "(a, b]", "[a, b]", "[a, b)"..."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return False
+    if rule[0] in "([":
+        low, high = (float(x) for x in rule[1:-1].split(","))
+        above = low <= value if rule[0] == "[" else low < value
+        return above and (value <= high if rule[-1] == "]" else value < high)
+    op, bound = rule.split()
+    return value >= float(bound) if op == ">=" else value > float(bound)
+
+
+def check_ranges(args, ranges: dict):
+    """Every numeric argument that `args` has (each value of a tuple; not the strings of a Literal such as
+    --dense-ode-steps t) within its rule in `ranges`, else a one-line error naming the flag and the rule."""
+    for name, rule in ranges.items():
+        value = getattr(args, name, None)
+        for v in value if isinstance(value, tuple) else [value]:
+            if v is not None and not isinstance(v, str) and not in_range(v, rule):
+                allowed = f"in {rule}" if rule[0] in "([" else rule
+                fail(f"--{name.replace('_', '-')} {v} is not allowed; use a value {allowed}")
+
+
+def check_output_path(path: str, *, flag: str, directory: bool):
+    """An output directory that can be made (its nearest existing parent a writable directory), or an output
+    file in a writable directory that exists; a one-line error before any work starts."""
+    if os.path.exists(path) and os.path.isdir(path) != directory:
+        kind = "a file" if directory else "a directory"
+        fail(f"{flag} {path!r} is {kind}; pass {'a directory' if directory else 'a file path'}")
+    parent = os.path.abspath(path) if directory else os.path.dirname(os.path.abspath(path))
+    while directory and not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+        fail(f"{flag} {path!r} cannot be written ({parent!r} is no writable directory)")
+
+
 def check_common_args(args, world: int):
     """The checks every algorithm file shares (its own follow in its check_args); nothing here loads a
     model."""
     if args.group_size < 2:
         fail(f"--group-size {args.group_size} is not allowed; GRPO needs at least 2 images per prompt")
-    if args.noise_level < 0:
-        fail(f"--noise-level {args.noise_level} is not allowed; use a value >= 0")
-    if args.num_steps < 1 or args.eval_steps < 1:
-        fail(f"--num-steps {args.num_steps} / --eval-steps {args.eval_steps}: both must be >= 1")
-    if args.prompts_per_iteration < world or args.prompts_per_iteration % world:
+    check_ranges(args, ARG_RANGES)
+    if args.prompts_per_iteration % world:
         fail(f"--prompts-per-iteration {args.prompts_per_iteration} is not a positive multiple of the world "
              f"size {world}")
-    if args.micro_batch < 1:
-        fail(f"--micro-batch {args.micro_batch} is not allowed; use >= 1")
     if args.reward_weights and len(args.reward_weights) != len(args.rewards):
         fail(f"--reward-weights has {len(args.reward_weights)} values for {len(args.rewards)} rewards; give "
              f"one per reward")
-    if args.eval_every and args.eval_num < 1:
-        fail(f"--eval-num {args.eval_num} is not allowed; use >= 1 (held-out pairs per evaluation)")
-    if args.ema_every < 1 or args.keep_checkpoints < 0:
-        fail(f"--ema-every {args.ema_every} / --keep-checkpoints {args.keep_checkpoints}: use >= 1 / >= 0")
+    if hasattr(args, "psi_range") and not args.psi_range[0] < args.psi_range[1]:
+        low, high = args.psi_range
+        fail(f"--psi-range {low} {high} is not allowed; give the lower bound first")
     if args.ema and args.full_finetune and world > 1:
         fail("--ema is not supported with sharded full fine-tuning (world size > 1); pass --no-ema")
     check_rewards(args.rewards + args.eval_rewards, args.reward_models)
     if args.resume and not os.path.isdir(args.resume):
         fail(f"--resume {args.resume!r} is not a directory; pass a run directory (runs/<run_name>)")
+    check_output_path(args.output_dir, flag="--output-dir", directory=True)
+    if getattr(args, "psi_out", None):
+        check_output_path(args.psi_out, flag="--psi-out", directory=False)
 
 
 def setup_distributed():
@@ -1087,8 +1165,12 @@ def run_summary(run_dir: str, *, args, kind: str, weights: dict, seconds: float)
     checkpoint (absolute paths), and the lines that load the checkpoint in diffusers."""
     rows = [r for r in read_jsonl(os.path.join(run_dir, "metrics.jsonl")) if "perf/nfe_per_iteration" in r]
     nfe = sum(r["perf/nfe_per_iteration"] for r in rows)
-    out = [f"\n{args.exp_name} on {args.model}: {len(rows)} iterations in {seconds / 60:.1f} min, "
+    took = f"{seconds:.0f} s" if seconds < 60 else f"{seconds / 60:.1f} min"
+    out = [f"\n{args.exp_name} on {args.model}: {len(rows)} iteration{'s' * (len(rows) != 1)} in {took}, "
            f"{nfe:,.0f} transformer evaluations (NFE)"]
+    if getattr(args, "calibrate", False):  # DenseGRPO's Algorithm 1: psi, no update
+        psi = os.path.abspath(args.psi_out or os.path.join(run_dir, "psi.json"))
+        out.append(f"psi(t) after the last calibration iteration: {psi} (train with --psi {psi})")
     names = os.listdir(run_dir)
     evals = sorted(iteration_of(f) for f in names if f.startswith("eval_") and f.endswith(".json"))
     if len(evals) > 1:

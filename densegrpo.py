@@ -162,16 +162,13 @@ TOY = {**TOY_WORLD, "learning_rate": 1e-4, "noise_level": 0.5, "prompts_per_iter
 def check_args(args, world: int):
     check_common_args(args, world)
     # algorithm specific
-    if not 0 < args.timestep_fraction <= 1:
-        fail(f"--timestep-fraction {args.timestep_fraction} is not allowed; use a value in (0, 1]")
     if int(args.num_steps * args.timestep_fraction) < 1:
         fail(f"--timestep-fraction {args.timestep_fraction} trains no step of {args.num_steps}; raise it")
     if args.dense_ode_steps != "t" and not 1 <= args.dense_ode_steps <= args.num_steps:
         fail(f"--dense-ode-steps {args.dense_ode_steps} is not allowed; use 1..{args.num_steps} or t")
-    if args.eps1 <= 0 or args.eps2 <= 0:
-        fail(f"--eps1 {args.eps1} / --eps2 {args.eps2}: both must be > 0")
-    if args.psi is not None:
-        load_psi(args.psi, args.num_steps)
+    trained = int(args.num_steps * args.timestep_fraction)
+    if args.psi is not None and not any(load_psi(args.psi, args.num_steps)[:trained]):
+        fail(f"--psi {args.psi!r} is 0 at every trained step (the first {trained}): none has noise to train")
     if args.noise_level == 0:  # the images of a group differ by their initial noise: no log-prob to train
         fail("--noise-level 0.0 is not allowed; use a value > 0 (a step without noise has no log-prob)")
     per_rank = args.prompts_per_iteration // world * args.group_size
@@ -189,12 +186,10 @@ def load_psi(path: str, num_steps: int) -> list[float]:
     except (OSError, ValueError) as e:  # unreadable, not UTF-8, not JSON
         fail(f"--psi file {path!r} cannot be read as JSON ({type(e).__name__}); write one with --calibrate")
     psi = psi.get("psi") if isinstance(psi, dict) else psi
-    if not isinstance(psi, list) or not all(isinstance(p, (int, float)) for p in psi):
-        fail(f"--psi {path!r} holds no list of numbers; expected {{\"psi\": [one value per step]}}")
+    if not isinstance(psi, list) or not all(type(p) in (int, float) and 0 <= p <= 10 for p in psi):  # NaN too
+        fail(f"--psi {path!r} holds no list of noise levels in [0, 10]; expected {{\"psi\": [one per step]}}")
     if len(psi) != num_steps:
         fail(f"--psi {path!r} has {len(psi)} values; --num-steps {num_steps} needs one per step")
-    if min(psi) < 0:
-        fail(f"--psi {path!r} has negative values {[p for p in psi if p < 0]}; noise levels are >= 0")
     return [float(p) for p in psi]
 
 
@@ -238,6 +233,11 @@ if __name__ == "__main__":
         script = os.path.basename(__file__)
         ckpt, start = resume_checkpoint(args.resume, args=args, world=world, script=script)
 
+    # the prompts before the run directory: a missing prompt file leaves nothing behind
+    train_prompts = load_prompt_set(args.prompts, split="train", rewards=args.rewards)
+    eval_prompts = load_prompt_set(args.eval_prompts, split="test",
+                                   rewards=args.rewards + args.eval_rewards)
+
     # TRY NOT TO MODIFY: run name (runs/<model>__<exp_name>__<seed>__<time>), logging, seeding
     run_dir = run_directory(args, checkpoint=ckpt)
     if is_main:
@@ -245,9 +245,6 @@ if __name__ == "__main__":
     seed_everything(args.seed, deterministic=args.torch_deterministic)
 
     # TRY NOT TO MODIFY: model, rewards, prompts, optimizer
-    train_prompts = load_prompt_set(args.prompts, split="train", rewards=args.rewards)
-    eval_prompts = load_prompt_set(args.eval_prompts, split="test",
-                                   rewards=args.rewards + args.eval_rewards)
     use_bf16 = args.mixed_precision == "bf16" and device.type == "cuda"
     compute_dtype = torch.bfloat16 if use_bf16 else torch.float32
     # the rewards first: a reward file that cannot be read fails before the large model loads
@@ -369,8 +366,10 @@ if __name__ == "__main__":
             psi = calibrate_step(psi, delta_r, eps1=args.eps1, eps2=args.eps2, psi_range=args.psi_range,
                                  groups=groups, active=[a > 0 for a in noise_levels])
             history.append(psi)
-            if is_main:
-                log_metrics(writer, run_dir, iteration + 1, {f"psi/step_{i}": p for i, p in enumerate(psi)})
+            nfe = sum_over_ranks({"nfe": NFE["count"] - nfe_start})["nfe"]
+            if is_main:  # psi, and the NFE for the summary
+                psi_metrics = {f"psi/step_{i}": p for i, p in enumerate(psi)}
+                log_metrics(writer, run_dir, iteration + 1, {**psi_metrics, "perf/nfe_per_iteration": nfe})
                 with open(args.psi_out or os.path.join(run_dir, "psi.json"), "w") as f:
                     json.dump({"psi": psi, "num_steps": T, "iteration": iteration + 1, "history": history}, f)
             continue

@@ -39,10 +39,10 @@ from typing import Literal
 import torch
 import tyro
 
-from common import (MODEL_ALIASES, RewardModels, broadcast_object, check_rewards, decode, encode_prompts,
-                    fail, gather_cat, latent_shape, latest_checkpoint, load_pipeline, load_prompt_set,
-                    load_rewards, loggable, ode_complete, paired_change, parse_args, pipeline_sigmas, score,
-                    setup_distributed)
+from common import (ARG_RANGES, MODEL_ALIASES, RewardModels, broadcast_object, check_output_path,
+                    check_ranges, check_rewards, decode, encode_prompts, fail, gather_cat, latent_shape,
+                    latest_checkpoint, load_pipeline, load_prompt_set, load_rewards, loggable, ode_complete,
+                    paired_change, parse_args, pipeline_sigmas, score, setup_distributed)
 
 
 @dataclass
@@ -86,6 +86,8 @@ class Args:
     """the transformer's and a LoRA's dtype on CUDA, as diffusers loads them; the rewards run in float32"""
     out: str = "evaluation"
     """output directory: scores.json (every pair's score per entry and metric) and table.md"""
+    overwrite: bool = False
+    """replace the scores.json and table.md of an earlier evaluation in --out (else they are an error)"""
 
 
 # --model toy: the toy world's evaluation settings (common.TOY_WORLD). Explicit flags still win.
@@ -141,6 +143,24 @@ def check_transformer(given: str, weights: str, model: str):
                  f"{key}={value}; evaluate it with the model it was trained from")
 
 
+def check_safetensors(given: str, weights: str):
+    """Every .safetensors file of a weights directory whole: its header readable and the file as long as the
+    header says (a copy or an export that was cut short would fail only after the base model was scored)."""
+    for name in sorted(f for f in os.listdir(weights) if f.endswith(".safetensors")):
+        path = os.path.join(weights, name)
+        size = os.path.getsize(path)
+        try:
+            with open(path, "rb") as f:
+                n = int.from_bytes(f.read(8), "little")
+                header = json.loads(f.read(n)) if 8 + n <= size else None
+            end = max([t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"], default=0)
+        except (ValueError, TypeError, KeyError, AttributeError):  # not JSON, not a header of tensors
+            header = end = None
+        if header is None or size != 8 + n + end:
+            fail(f"--checkpoints {given!r}: {path} is cut short or no safetensors file ({size:,} bytes); "
+                 f"export or copy it again")
+
+
 def resolve_checkpoint(given: str, model: str) -> dict:
     """{"name", "path", "weights", "iteration"} of one --checkpoints argument: its LoRA or transformer
     directory (a checkpoint's lora/ or transformer/, a run's newest checkpoint's), checked against --model
@@ -177,6 +197,7 @@ def resolve_checkpoint(given: str, model: str) -> dict:
              f"pass --model {trained}")
     if kind == "transformer":
         check_transformer(given, path, model)
+    check_safetensors(given, path)
     iteration = run.get("iteration") if isinstance(run, dict) else None
     return {"name": given, "path": path, "weights": kind, "iteration": iteration}
 
@@ -184,16 +205,15 @@ def resolve_checkpoint(given: str, model: str) -> dict:
 def check_args(args) -> tuple[list[dict], list[tuple[str, int]]]:
     """Every check that needs no model: the entries to score ({"name", "path", "weights", "iteration"}) and
     the pairs (prompt, noise seed), or a one-line error."""
-    if args.num_prompts is not None and args.num_prompts < 1:
-        fail(f"--num-prompts {args.num_prompts} is not allowed; use >= 1, or leave it out for all prompts")
-    if args.seeds_per_prompt < 1:
-        fail(f"--seeds-per-prompt {args.seeds_per_prompt} is not allowed; use >= 1")
-    if args.steps < 1 or args.micro_batch < 1:
-        fail(f"--steps {args.steps} / --micro-batch {args.micro_batch}: both must be >= 1")
+    check_ranges(args, ARG_RANGES)
     if not args.base and not args.checkpoints:
         fail("nothing to evaluate: pass --checkpoints, or keep --base")
     if os.path.isfile(args.out):
         fail(f"--out {args.out!r} is a file; pass a directory (scores.json and table.md go there)")
+    check_output_path(args.out, flag="--out", directory=True)
+    if not args.overwrite and os.path.exists(os.path.join(args.out, "scores.json")):
+        fail(f"--out {args.out!r} holds an earlier evaluation's scores.json; pass another --out, or "
+             f"--overwrite to replace it")
     check_rewards(args.metrics, args.reward_models)
     if len(set(args.metrics)) < len(args.metrics):
         fail(f"--metrics {' '.join(args.metrics)} names a metric twice; name each once")

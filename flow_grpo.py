@@ -150,8 +150,6 @@ TOY = {**TOY_WORLD, "learning_rate": 1e-4, "noise_level": 0.7, "prompts_per_iter
 def check_args(args, world: int):
     check_common_args(args, world)
     # algorithm specific
-    if not 0 < args.timestep_fraction <= 1:
-        fail(f"--timestep-fraction {args.timestep_fraction} is not allowed; use a value in (0, 1]")
     if int(args.num_steps * args.timestep_fraction) < 1:
         fail(f"--timestep-fraction {args.timestep_fraction} trains no step of {args.num_steps}; raise it")
     if args.credit == "coca" and (args.coca_window < 1 or args.num_steps % args.coca_window):
@@ -184,6 +182,11 @@ if __name__ == "__main__":
         script = os.path.basename(__file__)
         ckpt, start = resume_checkpoint(args.resume, args=args, world=world, script=script)
 
+    # the prompts before the run directory: a missing prompt file leaves nothing behind
+    train_prompts = load_prompt_set(args.prompts, split="train", rewards=args.rewards)
+    eval_prompts = load_prompt_set(args.eval_prompts, split="test",
+                                   rewards=args.rewards + args.eval_rewards)
+
     # TRY NOT TO MODIFY: run name (runs/<model>__<exp_name>__<seed>__<time>), logging, seeding
     run_dir = run_directory(args, checkpoint=ckpt)
     if is_main:
@@ -191,9 +194,6 @@ if __name__ == "__main__":
     seed_everything(args.seed, deterministic=args.torch_deterministic)
 
     # TRY NOT TO MODIFY: model, rewards, prompts, optimizer
-    train_prompts = load_prompt_set(args.prompts, split="train", rewards=args.rewards)
-    eval_prompts = load_prompt_set(args.eval_prompts, split="test",
-                                   rewards=args.rewards + args.eval_rewards)
     use_bf16 = args.mixed_precision == "bf16" and device.type == "cuda"
     compute_dtype = torch.bfloat16 if use_bf16 else torch.float32
     # the rewards first: a reward file that cannot be read fails before the large model loads

@@ -156,7 +156,7 @@ def check_args(args, world: int):
     most = len(args.sde_steps)  # one mini-batch per trained k at most (the default: one each)
     if not 1 <= args.updates_per_iteration <= most:
         fail(f"--updates-per-iteration {args.updates_per_iteration} is not allowed; use 1..{most} "
-             f"(mini-batches per iteration)")
+             f"(one per trained k at most: --sde-steps gives {most})")
 
 
 def planned_nfe(args) -> dict:
@@ -180,6 +180,11 @@ if __name__ == "__main__":
         script = os.path.basename(__file__)
         ckpt, start = resume_checkpoint(args.resume, args=args, world=world, script=script)
 
+    # the prompts before the run directory: a missing prompt file leaves nothing behind
+    train_prompts = load_prompt_set(args.prompts, split="train", rewards=args.rewards)
+    eval_prompts = load_prompt_set(args.eval_prompts, split="test",
+                                   rewards=args.rewards + args.eval_rewards)
+
     # TRY NOT TO MODIFY: run name (runs/<model>__<exp_name>__<seed>__<time>), logging, seeding
     run_dir = run_directory(args, checkpoint=ckpt)
     if is_main:
@@ -187,9 +192,6 @@ if __name__ == "__main__":
     seed_everything(args.seed, deterministic=args.torch_deterministic)
 
     # TRY NOT TO MODIFY: model, rewards, prompts, optimizer
-    train_prompts = load_prompt_set(args.prompts, split="train", rewards=args.rewards)
-    eval_prompts = load_prompt_set(args.eval_prompts, split="test",
-                                   rewards=args.rewards + args.eval_rewards)
     use_bf16 = args.mixed_precision == "bf16" and device.type == "cuda"
     compute_dtype = torch.bfloat16 if use_bf16 else torch.float32
     # the rewards first: a reward file that cannot be read fails before the large model loads

@@ -159,11 +159,6 @@ def check_args(args, world: int):
     # algorithm specific
     if not 1 <= args.window_size <= args.num_steps - 2:
         fail(f"--window-size {args.window_size} is not allowed; use 1..{args.num_steps - 2} (T - 2)")
-    if args.window_stride < 0 or args.window_shift_interval < 1:
-        fail(f"--window-stride {args.window_stride} / --window-shift-interval {args.window_shift_interval}: "
-             f"use >= 0 / >= 1")
-    if not 0 < args.flash_compress <= 1:
-        fail(f"--flash-compress {args.flash_compress} is not allowed; use a value in (0, 1]")
     if args.beta > 0 and args.noise_level == 0:
         fail("--beta > 0 needs --noise-level > 0 (the KL divides by the step's variance); pass --beta 0")
     per_rank = args.prompts_per_iteration // world * args.group_size
@@ -229,6 +224,11 @@ if __name__ == "__main__":
         script = os.path.basename(__file__)
         ckpt, start = resume_checkpoint(args.resume, args=args, world=world, script=script)
 
+    # the prompts before the run directory: a missing prompt file leaves nothing behind
+    train_prompts = load_prompt_set(args.prompts, split="train", rewards=args.rewards)
+    eval_prompts = load_prompt_set(args.eval_prompts, split="test",
+                                   rewards=args.rewards + args.eval_rewards)
+
     # TRY NOT TO MODIFY: run name (runs/<model>__<exp_name>__<seed>__<time>), logging, seeding
     run_dir = run_directory(args, checkpoint=ckpt)
     if is_main:
@@ -236,9 +236,6 @@ if __name__ == "__main__":
     seed_everything(args.seed, deterministic=args.torch_deterministic)
 
     # TRY NOT TO MODIFY: model, rewards, prompts, optimizer
-    train_prompts = load_prompt_set(args.prompts, split="train", rewards=args.rewards)
-    eval_prompts = load_prompt_set(args.eval_prompts, split="test",
-                                   rewards=args.rewards + args.eval_rewards)
     use_bf16 = args.mixed_precision == "bf16" and device.type == "cuda"
     compute_dtype = torch.bfloat16 if use_bf16 else torch.float32
     # the rewards first: a reward file that cannot be read fails before the large model loads

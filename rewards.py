@@ -51,7 +51,8 @@ def load_safely(path: str, *, what: str = "weights"):
             return load_file(path)
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # a truncated download, another format, a pickle with code in it
-        reason = (str(e).strip().splitlines() or [""])[0][:160]
+        reason = (str(e).strip().splitlines() or [""])[0].split(". ")[0]  # the first sentence, whole
+        reason = reason if len(reason) <= 200 else reason[:reason.rfind(" ", 0, 200)] + " ..."
         fail(f"{what} {path!r} cannot be read ({type(e).__name__}: {reason})")
 
 

@@ -1,5 +1,6 @@
 """Every rejected argument exits with a one-line error that names the value and what is allowed."""
 import os
+import re
 
 import pytest
 
@@ -37,8 +38,13 @@ def test_paper_commands_fail_at_once_without_the_prompt_files(tmp_path):
 
 
 @pytest.mark.parametrize("over,message", [
-    ({"eval_num": 0}, r"--eval-num 0 is not allowed; use >= 1 \(held-out pairs per evaluation\)"),
-    ({"ema_every": 0}, "--ema-every 0 / --keep-checkpoints 3: use >= 1 / >= 0"),
+    ({"eval_num": 0}, "--eval-num 0 is not allowed; use a value >= 1"),
+    ({"ema_every": 0}, "--ema-every 0 is not allowed; use a value >= 1"),
+    ({"clip_range": -1.0}, "--clip-range -1.0 is not allowed; use a value > 0"),
+    ({"beta": -1.0}, "--beta -1.0 is not allowed; use a value >= 0"),
+    ({"learning_rate": -1e-4}, "--learning-rate -0.0001 is not allowed; use a value > 0"),
+    ({"num_iterations": 0}, "--num-iterations 0 is not allowed; use a value >= 1"),
+    ({"reward_weights": (float("nan"),)}, "--reward-weights nan is not allowed; use a value > 0"),
 ])
 def test_more_argument_checks(over, message):
     with pytest.raises(SystemExit, match=message):
@@ -139,14 +145,44 @@ def test_bad_input_fails_before_any_model_loads(tmp_path, flags, message):
     assert proc.returncode == 1 and "Traceback" not in proc.stderr and message in last, proc.stderr[-2000:]
 
 
-def test_missing_model_path(tmp_path):
+def test_missing_model_path(tmp_path, monkeypatch):
+    """A missing path; a missing relative path with one slash (which could be a hub id: offline, it is not); the
+    toy alias without the toy model next to common.py (a copied file)."""
+    import common
+
     with pytest.raises(SystemExit, match=f"model path '{tmp_path}/nope' does not exist; pass a local pipeline"):
         load_pipeline(str(tmp_path / "nope"), "cpu")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(SystemExit) as e:
+        load_pipeline("fx/nope", "cpu")
+    assert str(e.value).startswith("error: model 'fx/nope' is no local directory, and no hub model that could be "
+                                   "loaded (") and "stacktrace" not in str(e.value) and "\n" not in str(e.value)
+    monkeypatch.setitem(common.MODEL_ALIASES, "toy", str(tmp_path / "toy" / "flux-shapes"))
+    with pytest.raises(SystemExit, match=f"the toy model is not at '{tmp_path}/toy/flux-shapes': copy this project's "
+                                         f"toy/flux-shapes there"):
+        load_pipeline("toy", "cpu")
+
+
+def test_output_paths_are_checked_before_any_work(tmp_path):
+    """--output-dir on a file, --psi-out into a directory that does not exist: one line before any model loads."""
+    import densegrpo
+
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(SystemExit, match=f"--output-dir '{tmp_path}/afile' is a file; pass a directory"):
+        check_args(flow_grpo, output_dir=str(tmp_path / "afile"))
+    with pytest.raises(SystemExit, match=f"--psi-out '{tmp_path}/afile/psi.json' cannot be written "):
+        check_args(densegrpo, calibrate=True, psi_out=str(tmp_path / "afile" / "psi.json"))
+    with pytest.raises(SystemExit, match=f"--psi-out '{tmp_path}/new/psi.json' cannot be written "):
+        check_args(densegrpo, calibrate=True, psi_out=str(tmp_path / "new" / "psi.json"))
+    check_args(densegrpo, calibrate=True, psi_out=str(tmp_path / "psi.json"))
+    check_args(flow_grpo, output_dir=str(tmp_path / "new" / "runs"))  # made by the run
 
 
 def test_prompt_files(tmp_path):
     with pytest.raises(SystemExit, match=f"prompt file '{tmp_path}/missing.txt' does not exist; README 'Prompt sets' says"):
         load_prompt_set(str(tmp_path / "missing.txt"))
+    with pytest.raises(SystemExit, match=f"prompt file '{tmp_path}' is a directory; pass a text file with one prompt"):
+        load_prompt_set(str(tmp_path))
     (tmp_path / "geneval.jsonl").write_text('{"tag": "counting", "prompt": "a photo of two cats"}\n{"prompt": "a dog"}\n')
     assert load_prompt_set(str(tmp_path / "geneval.jsonl")) == ["a photo of two cats", "a dog"]
     (tmp_path / "empty.txt").write_text("\n  \n")
@@ -253,3 +289,134 @@ def test_unreadable_reward_weights_are_one_line_errors_before_the_model_loads(tm
     last = out.stderr.strip().splitlines()[-1]
     assert out.returncode == 1 and last.startswith(f"error: --{flag.replace('_', '-')} ") and "cannot be read" in last, \
         out.stderr[-2000:]
+
+
+ENTRY_POINTS = ["flow_grpo", "densegrpo", "dancegrpo", "g2rpo", "mixgrpo", "evaluate"]
+
+
+def numeric_fields(module):
+    """(name, is_int, is_tuple) of every field of the module's Args that holds numbers (or a tuple of them)."""
+    import dataclasses
+    import typing
+
+    out = []
+    for f in dataclasses.fields(module.Args):
+        hint = str(typing.get_type_hints(module.Args)[f.name])
+        if "int" in hint or "float" in hint:
+            out.append((f.name, "float" not in hint, "tuple" in hint))
+    return out
+
+
+def outside(rule: str, is_int: bool):
+    """Values that break `rule` ("> a", ">= a" or an interval): both sides where there is a bound, NaN and
+    infinity for floats."""
+    if rule[0] in "([":
+        low, high = (float(x) for x in rule[1:-1].split(","))
+        bad = [low if rule[0] == "(" else low - 1, high if rule[-1] == ")" else high + 1]
+    else:
+        op, bound = rule.split()
+        bad = [float(bound) - (0 if op == ">" else 1)]
+    bad = [int(v) for v in bad] if is_int else bad + [float("nan"), float("inf")]
+    return bad
+
+
+@pytest.mark.parametrize("name", ENTRY_POINTS)
+def test_every_numeric_argument_is_checked_before_any_model_loads(name, tmp_path):
+    """Every numeric argument of every entry point's Args has a range (common.ARG_RANGES), and every value outside
+    it, NaN and infinity included, stops check_args (which loads nothing) with a one-line error naming the flag
+    and the value; a few go through the command line too, to show that no traceback comes out of it."""
+    import importlib
+
+    import common
+
+    module = importlib.import_module(name)
+    fields = numeric_fields(module)
+    assert fields and not [f for f, _, _ in fields if f not in common.ARG_RANGES], "a numeric argument has no range"
+    tried = 0
+    for field, is_int, is_tuple in fields:
+        for value in outside(common.ARG_RANGES[field], is_int):
+            args = module.Args(prompts="toy", **({"eval_prompts": "toy"} if name != "evaluate" else {}))
+            setattr(args, field, (value,) * (2 if field == "psi_range" else 1) if is_tuple else value)
+            if field == "reward_weights":
+                args.rewards = ("jpeg",)
+            with pytest.raises(SystemExit) as e:
+                module.check_args(args, **({} if name == "evaluate" else {"world": 1}))
+            message = str(e.value)
+            assert "\n" not in message and message.startswith(f"error: --{field.replace('_', '-')}"), (field, value,
+                                                                                                     message)
+            tried += 1
+    assert tried > len(fields)
+    script = f"{name}.py"
+    flags = {"flow_grpo": ["--clip-range", "-1"], "densegrpo": ["--eps2", "nan"], "dancegrpo": ["--shift", "0"],
+             "g2rpo": ["--lambdas", "0"], "mixgrpo": ["--window-stride", "-1"], "evaluate": ["--steps", "0"]}[name]
+    proc = run_script(script, ["--model", str(tmp_path / "no-model"), *flags], check=False)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1].startswith(f"error: {flags[0]} "), proc.stderr[-500:]
+
+
+@pytest.mark.slow
+def test_copying_one_file_as_the_readme_says(tmp_path):
+    """README "Copying one file into your project", literally, in an empty directory: mixgrpo.py and common.py train
+    the toy pipeline (given by its path: its toy_world.json gives it the TOY preset) on --rewards jpeg; the toy
+    rewards need toy/world.py, a one-line error until it is copied, then they train; the learned rewards name
+    rewards.py; --model toy names the toy model's place. The summary counts in seconds below a minute."""
+    import shutil
+    import subprocess
+    import sys
+
+    from helpers import ROOT
+
+    project = tmp_path / "project"
+    project.mkdir()
+    for f in ("mixgrpo.py", "common.py"):
+        shutil.copy(os.path.join(ROOT, f), project)
+    (project / "prompts.txt").write_text("a red circle on the left\na blue square on the top\n")
+    toy_model = os.path.join(ROOT, "toy", "flux-shapes")
+    small = ["--num-iterations", "1", "--eval-every", "0", "--prompts-per-iteration", "1", "--group-size", "4",
+             "--num-steps", "6", "--window-size", "2"]
+
+    def run(*flags):
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONPATH="")
+        return subprocess.run([sys.executable, "mixgrpo.py", *flags], cwd=project, capture_output=True, text=True,
+                              env=env, timeout=600)
+
+    jpeg = run("--model", toy_model, "--rewards", "jpeg", "--eval-rewards", "jpeg", "--prompts", "prompts.txt",
+               "--eval-prompts", "prompts.txt", *small)
+    assert jpeg.returncode == 0, jpeg.stderr[-2000:]
+    assert re.search(r"mixgrpo on .*flux-shapes: 1 iteration in \d+ s, ", jpeg.stdout), jpeg.stdout
+    assert "height=32, width=32" in jpeg.stdout  # the TOY preset, not the paper's 720 px
+    missing = run("--model", toy_model, *small)
+    assert missing.returncode == 1 and "Traceback" not in missing.stderr
+    assert missing.stderr.strip().splitlines()[-1] == ("error: toy/world.py is missing: copy this project's "
+                                                       "toy/world.py next to common.py as toy/world.py (README: "
+                                                       "copying one file)")
+    (project / "toy").mkdir()
+    shutil.copy(os.path.join(ROOT, "toy", "world.py"), project / "toy" / "world.py")
+    toy = run("--model", toy_model, *small)
+    assert toy.returncode == 0 and "1 iteration in" in toy.stdout, toy.stderr[-2000:]
+    learned = run("--model", toy_model, "--rewards", "pickscore", *small)
+    assert learned.stderr.strip().splitlines()[-1].startswith("error: rewards.py is missing: copy this project's "
+                                                              "rewards.py next to common.py"), learned.stderr[-500:]
+    alias = run("--model", "toy", *small)
+    assert alias.stderr.strip().splitlines()[-1].startswith(f"error: the toy model is not at "
+                                                            f"'{project / 'toy' / 'flux-shapes'}': copy"), alias.stderr
+
+
+def test_messages_that_say_what_is_wrong():
+    """Each names what the user can change: DanceGRPO with one step (never trained), G2RPO's optimizer steps per
+    trained k when --sde-steps gives fewer, sampled images that are NaN (a diverged sampler, not a reward's fault)."""
+    import g2rpo
+    import torch
+
+    from common import score
+
+    with pytest.raises(SystemExit, match=r"--timestep-fraction 0.6 of --num-steps 1 trains no step \(the last is "
+                                         r"never trained\); raise --num-steps to >= 2, or the fraction"):
+        check_args(dancegrpo, num_steps=1)
+    with pytest.raises(SystemExit, match=r"--updates-per-iteration 8 is not allowed; use 1..1 \(one per trained k "
+                                         r"at most: --sde-steps gives 1\)"):
+        check_args(g2rpo, sde_steps=(0,))
+    images = torch.full((2, 3, 8, 8), float("nan"))
+    with pytest.raises(SystemExit, match=r"^error: the sampled images are not finite \(NaN\): sampling diverged; "
+                                         r"lower --noise-level \(or psi\)"):
+        score({"jpeg": lambda x, p: torch.zeros(2)}, images, ["a", "b"])

@@ -1,5 +1,6 @@
 """densegrpo.py: dense rewards, calibration, NFE against the closed form, smoke runs on tiny random pipelines."""
 import json
+import re
 
 import pytest
 import torch
@@ -57,8 +58,11 @@ def test_two_iterations(tiny, tmp_path, kind):
 @pytest.mark.slow
 def test_calibration_mode_writes_psi_and_training_loads_it(tiny, tmp_path):
     out = tmp_path / "psi.json"
-    run_script("densegrpo.py", tiny_flags(tiny["flux"], tiny["prompts"], tmp_path / "cal", calibrate=True, psi_out=out,
-                                          num_iterations=3, eval_every=0))
+    proc = run_script("densegrpo.py", tiny_flags(tiny["flux"], tiny["prompts"], tmp_path / "cal", calibrate=True,
+                                                 psi_out=out, num_iterations=3, eval_every=0))
+    # its own summary: the calibration's iterations and NFE (closed form: G (T + sum_i (T - i - 1)) per prompt), psi's file
+    assert re.search(r"densegrpo on .*: 3 iterations in \d+ s, 240 transformer evaluations", proc.stdout), proc.stdout
+    assert f"psi(t) after the last calibration iteration: {out} (train with --psi {out})" in proc.stdout
     saved = json.loads(out.read_text())
     psi = saved["psi"]
     assert len(psi) == 4 and all(round(abs(p - 0.7), 9) in (0.01, 0.03) for p in psi[:3])  # 3 moves of +-0.01 each
@@ -84,10 +88,11 @@ def test_torchrun_two_processes(tiny, tmp_path):
 
 
 @pytest.mark.parametrize("over,message", [
-    ({"dense_ode_steps": 0}, r"--dense-ode-steps 0 is not allowed; use 1..10 or t"),
+    ({"dense_ode_steps": 0}, r"--dense-ode-steps 0 is not allowed; use a value >= 1"),
     ({"dense_ode_steps": 11}, r"--dense-ode-steps 11 is not allowed; use 1..10 or t"),
-    ({"eps1": 0.0}, "--eps1 0.0 / --eps2 0.01: both must be > 0"),
-    ({"eps2": -0.01}, "--eps1 2.0 / --eps2 -0.01: both must be > 0"),
+    ({"eps1": 0.0}, "--eps1 0.0 is not allowed; use a value > 0"),
+    ({"eps2": -0.01}, "--eps2 -0.01 is not allowed; use a value > 0"),
+    ({"calibrate": True, "psi_range": (1.5, 0.1)}, r"--psi-range 1.5 0.1 is not allowed; give the lower bound first"),
     ({"group_size": 1}, "--group-size 1 is not allowed; GRPO needs at least 2 images per prompt"),
 ])
 def test_bad_input(over, message):
@@ -99,9 +104,13 @@ def test_bad_psi_files(tmp_path):
     (tmp_path / "short.json").write_text(json.dumps({"psi": [0.7] * 3}))
     with pytest.raises(SystemExit, match="has 3 values; --num-steps 10 needs one per step"):
         densegrpo.load_psi(str(tmp_path / "short.json"), 10)
-    (tmp_path / "neg.json").write_text(json.dumps([0.7, -0.1]))
-    with pytest.raises(SystemExit, match=r"has negative values \[-0.1\]; noise levels are >= 0"):
-        densegrpo.load_psi(str(tmp_path / "neg.json"), 2)
+    for bad in ([0.7, -0.1], [0.7, float("nan")], [0.7, 50], [True, True], [0.7, "0.7"]):  # JSON: NaN, true
+        (tmp_path / "bad.json").write_text(json.dumps(bad))
+        with pytest.raises(SystemExit, match=r"holds no list of noise levels in \[0, 10\]; expected"):
+            densegrpo.load_psi(str(tmp_path / "bad.json"), 2)
+    (tmp_path / "zero.json").write_text(json.dumps([0.0] * 9 + [0.7]))  # noise only at the untrained last step
+    with pytest.raises(SystemExit, match=r"is 0 at every trained step \(the first 9\): none has noise to train"):
+        check_args(densegrpo, psi=str(tmp_path / "zero.json"))
     with pytest.raises(SystemExit, match=r"cannot be read as JSON \(FileNotFoundError\); write one with --calibrate"):
         densegrpo.load_psi(str(tmp_path / "missing.json"), 2)
     (tmp_path / "broken.json").write_text('{"psi": [0.7, ')
@@ -111,7 +120,7 @@ def test_bad_psi_files(tmp_path):
     with pytest.raises(SystemExit, match=r"cannot be read as JSON \(UnicodeDecodeError\); write one with --calibrate"):
         densegrpo.load_psi(str(tmp_path / "latin1.json"), 2)
     (tmp_path / "words.json").write_text('{"psi": ["a", "b"]}')
-    with pytest.raises(SystemExit, match="holds no list of numbers"):
+    with pytest.raises(SystemExit, match="holds no list of noise levels"):
         densegrpo.load_psi(str(tmp_path / "words.json"), 2)
     # checked before any model loads
     with pytest.raises(SystemExit, match="cannot be read as JSON"):

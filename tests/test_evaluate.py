@@ -129,7 +129,17 @@ def make_dirs(root):
 
     ckpt = os.path.join(root, "run", "checkpoints", "iter_3")
     write(os.path.join(ckpt, "run.json"), {"iteration": 3, "args": {"model": "toy"}})
-    write(os.path.join(ckpt, "lora", evaluate.LORA_FILE))
+    from safetensors.torch import save_file
+
+    os.makedirs(os.path.join(ckpt, "lora"))
+    save_file({"w": torch.zeros(64)}, os.path.join(ckpt, "lora", evaluate.LORA_FILE))
+    cut = os.path.join(root, "cut", "checkpoints", "iter_2")  # its export cut short
+    write(os.path.join(cut, "run.json"), {"iteration": 2, "args": {"model": "toy"}})
+    os.makedirs(os.path.join(cut, "lora"))
+    with open(os.path.join(ckpt, "lora", evaluate.LORA_FILE), "rb") as f, \
+            open(os.path.join(cut, "lora", evaluate.LORA_FILE), "wb") as g:
+        g.write(f.read()[:-100])
+    write(os.path.join(root, "done", "scores.json"), {})
     write(os.path.join(root, "sd3", "config.json"), {"_class_name": "SD3Transformer2DModel"})
     write(os.path.join(root, "sd3", "diffusion_pytorch_model.safetensors"))
     write(os.path.join(root, "wide", "config.json"), {"_class_name": "FluxTransformer2DModel", "num_layers": 5})
@@ -202,11 +212,17 @@ def test_bad_inputs_give_one_line_errors(tmp_path):
         (dict(prompts=p(root, "missing.txt")),
          f"prompt file '{p(root, 'missing.txt')}' does not exist; README 'Prompt sets' says where each paper's prompts "
          f"come from (or pass any text file with one prompt per line)"),
-        (dict(num_prompts=0), "--num-prompts 0 is not allowed; use >= 1, or leave it out for all prompts"),
-        (dict(seeds_per_prompt=0), "--seeds-per-prompt 0 is not allowed; use >= 1"),
+        (dict(num_prompts=0), "--num-prompts 0 is not allowed; use a value >= 1"),
+        (dict(seeds_per_prompt=0), "--seeds-per-prompt 0 is not allowed; use a value >= 1"),
         (dict(num_prompts=3), f"--num-prompts 3 is more than the 2 prompts of '{p(root, 'prompts.txt')}'; pass fewer, "
          f"or none for all"),
-        (dict(steps=0), "--steps 0 / --micro-batch 4: both must be >= 1"),
+        (dict(steps=0), "--steps 0 is not allowed; use a value >= 1"),
+        (dict(guidance=float("nan")), "--guidance nan is not allowed; use a value >= 0"),
+        (dict(checkpoints=(p(root, "cut"),)),
+         f"--checkpoints '{p(root, 'cut')}': {p(root, 'cut', 'checkpoints', 'iter_2', 'lora', evaluate.LORA_FILE)} is "
+         f"cut short or no safetensors file (228 bytes); export or copy it again"),
+        (dict(out=p(root, "done")), f"--out '{p(root, 'done')}' holds an earlier evaluation's scores.json; pass another "
+         f"--out, or --overwrite to replace it"),
         (dict(base=False), "nothing to evaluate: pass --checkpoints, or keep --base"),
         (dict(out=p(root, "afile")), f"--out '{p(root, 'afile')}' is a file; pass a directory (scores.json and table.md "
          f"go there)"),

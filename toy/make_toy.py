@@ -8,6 +8,7 @@ latents with the rectified-flow loss (text encoders stay frozen at their random 
     python toy/make_toy.py --samples-only       # metrics + results/toy_samples.png
 """
 import argparse
+import json
 import math
 import os
 import sys
@@ -228,6 +229,15 @@ def save_samples(pipe, png: str, n: int = 24, cols: int = 6):
     plt.close(fig)
 
 
+def write_marker(out):
+    """toy_world.json next to model_index.json: the algorithm files apply their TOY preset to a pipeline that has
+    it, however its directory is named or wherever it was copied."""
+    about = {"about": "the toy world's pipeline (toy/make_toy.py): --model <this directory> gets each file's TOY preset",
+             "resolution": 32, "max_sequence_length": 16}
+    with open(os.path.join(out, "toy_world.json"), "w") as f:
+        json.dump(about, f, indent=1)
+
+
 def main():
     here = os.path.dirname(os.path.abspath(__file__))
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -277,6 +287,7 @@ def main():
     log(f"transformer params {sum(p.numel() for p in pipe.transformer.parameters()):,}")
     train_transformer(pipe, args, log)
     pipe.save_pretrained(args.out)
+    write_marker(args.out)
     log(f"saved {args.out} after {time.time() - t0:.0f}s")
     if not args.no_eval:
         evaluate(pipe, args.out, log, n=args.eval_prompts)
