@@ -1,18 +1,16 @@
 """The one module the algorithm files share: plain functions, in the order a port to another code base needs.
 
-0. fail                  a one-line error instead of a traceback
-1. Math (torch only)     shifted_sigmas, strided_indices, spaced_indices, gaussian_log_prob, sde_mean_std,
-                         sde_step, ode_step, group_advantages, combine_advantages, training_minibatches,
-                         rank_chunks, coca_credit
-2. Model                 load_pipeline, latent_shape, pipeline_sigmas, encode_prompts, select, velocity (NFE),
-                         velocities, ode_complete, decode, make_trainable, shard, gathered, as_reference
-3. Rewards and prompts   RewardModels, REWARDS, load_rewards, score; HPS-v2.1, CLIP score, PickScore,
-                         ImageReward, aesthetic, UnifiedReward, JPEG, the toy world's; load_prompt_set
-4. Run plumbing          TOY_WORLD, parse_args, check_common_args, setup_distributed, gather_cat,
-                         sum_over_ranks, broadcast_object, iteration_generator, optimizer_step, run_directory,
-                         make_writer, log_metrics, ema_update, swapped_in, resume_checkpoint, save_state,
-                         load_state
-5. Evaluation, reports   evaluate_policy, image_grid, save_eval_grid, run_summary
+0. fail: a one-line error instead of a traceback
+1. Math (torch only): shifted_sigmas, strided_indices, spaced_indices, gaussian_log_prob, sde_mean_std,
+   sde_step, ode_step, group_advantages, combine_advantages, training_minibatches, rank_chunks, coca_credit
+2. Model: load_pipeline, latent_shape, pipeline_sigmas, encode_prompts, select, velocity (NFE), velocities,
+   ode_complete, decode, make_trainable, shard, gathered, as_reference
+3. Rewards and prompts: RewardModels, REWARDS, load_rewards (HPS-v2.1, CLIP score, PickScore, ImageReward,
+   aesthetic, UnifiedReward: rewards.py; JPEG; the toy world's), score, load_prompt_set
+4. Run plumbing: TOY_WORLD, parse_args, check_common_args, setup_distributed, gather_cat, sum_over_ranks,
+   broadcast_object, iteration_generator, optimizer_step, run_directory, make_writer, log_metrics, ema_update,
+   swapped_in, latest_checkpoint, resume_checkpoint, save_state, load_state
+5. Evaluation, reports: evaluate_policy, image_grid, save_eval_grid, run_summary
 
 What an algorithm adds (its rollout, advantages, loss, KL and statistics) is written in its own file.
 """
@@ -40,8 +38,7 @@ def fail(message: str):
 
 # ======== 1. Math: schedules, SDE / ODE steps, log-probs, advantages (torch only) ========
 def shifted_sigmas(num_steps: int, *, shift: float) -> torch.Tensor:
-    """DanceGRPO's (and G2RPO's, MixGRPO's) schedule: shift u / (1 + (shift - 1) u) on linspace(1, 0, T +
-    1)."""
+    """DanceGRPO's (G2RPO's, MixGRPO's) schedule: shift u / (1 + (shift - 1) u), u = linspace(1, 0, T + 1)."""
     u = torch.linspace(1, 0, num_steps + 1, dtype=torch.float64)
     return (shift * u / (1 + (shift - 1) * u)).float()
 
@@ -66,39 +63,31 @@ def gaussian_log_prob(x: torch.Tensor, mean: torch.Tensor, std: float) -> torch.
 
 
 def sde_mean_std(v, x, sigmas, i: int, noise_level: float, *, form: str = "flow_grpo"):
-    """Mean and std of one Euler-Maruyama step sigmas[i] -> sigmas[i + 1] of the marginal-preserving SDE
-
-    dx = [v + g^2 / (2 sigma) (x + (1 - sigma) v)] dt + g dW   (Flow-GRPO Eq. 9, G2RPO Eq. 3; dt < 0)
-
-    with g = a sqrt(sigma / (1 - sigma)) (form "flow_grpo": Flow-GRPO's std_dev_t, sigma = 1 replaced by
-    sigmas[1] in the denominator) or g = eta (form "dance": DanceGRPO). Returns (mean, g sqrt(-dt), g),
-    float32."""
+    """Mean and std of one Euler-Maruyama step sigmas[i] -> sigmas[i + 1] (dt < 0) of the marginal-preserving
+    SDE dx = [v + g^2 / (2 sigma) (x + (1 - sigma) v)] dt + g dW (Flow-GRPO Eq. 9, G2RPO Eq. 3), with g = a
+    sqrt(sigma / (1 - sigma)) (form "flow_grpo": Flow-GRPO's std_dev_t, sigma = 1 replaced by sigmas[1] in the
+    denominator) or g = eta (form "dance": DanceGRPO). Returns (mean, g sqrt(-dt), g), float32."""
+    if form not in ("flow_grpo", "dance"):
+        fail(f"noise form {form!r} is not known; use 'flow_grpo' or 'dance'")
     v, x = v.float(), x.float()
-    sigma, sigma_next = float(sigmas[i]), float(sigmas[i + 1])
-    dt = sigma_next - sigma
+    sigma, dt = float(sigmas[i]), float(sigmas[i + 1]) - float(sigmas[i])
+    g = noise_level
     if form == "flow_grpo":
         g = noise_level * math.sqrt(sigma / (1 - (float(sigmas[1]) if sigma == 1 else sigma)))
-    elif form == "dance":
-        g = noise_level
-    else:
-        fail(f"noise form {form!r} is not known; use 'flow_grpo' or 'dance'")
     mean = x + (v + g**2 / (2 * sigma) * (x + (1 - sigma) * v)) * dt
     return mean, g * math.sqrt(-dt), g
 
 
 def sde_step(v, x, sigmas, i: int, noise_level: float, *, prev_sample=None, generator=None,
              form: str = "flow_grpo"):
-    """One SDE step: samples x_next unless `prev_sample` is given, and its log-prob; noise level 0 is the
+    """One SDE step: x_next (sampled unless `prev_sample` is given) and its log-prob; noise level 0 is the
     Euler ODE step x + v dt (log-prob 0). Returns (x_next, log_prob, mean, std)."""
     mean, std, _ = sde_mean_std(v, x, sigmas, i, noise_level, form=form)
     if prev_sample is None:
         noise = torch.randn(x.shape, generator=generator, device=generator.device if generator else x.device)
         prev_sample = mean + std * noise.to(x.device) if std > 0 else mean
     prev_sample = prev_sample.float()
-    if std > 0:
-        log_prob = gaussian_log_prob(prev_sample, mean, std)
-    else:
-        log_prob = torch.zeros(x.shape[0], device=x.device)
+    log_prob = gaussian_log_prob(prev_sample, mean, std) if std > 0 else torch.zeros(len(x), device=x.device)
     return prev_sample, log_prob, mean, std
 
 
@@ -111,21 +100,16 @@ def group_advantages(rewards, *, eps: float, unbiased: bool, global_std: bool = 
     """GRPO advantages of rewards [P, G] (P groups of G): (r - group mean) / (std + eps), the std per group or
     over all P G rewards. A group of equal rewards gets exactly zero advantage (never NaN or eps-blown)."""
     r = rewards.double()
-    centred = r - r.mean(dim=1, keepdim=True)
-    if global_std:
-        std = r.std(unbiased=unbiased)
-    else:
-        std = r.std(dim=1, keepdim=True, unbiased=unbiased)
-    adv = centred / (std + eps)
+    std = r.std(unbiased=unbiased) if global_std else r.std(dim=1, keepdim=True, unbiased=unbiased)
+    adv = (r - r.mean(dim=1, keepdim=True)) / (std + eps)
     flat = r.max(dim=1, keepdim=True).values == r.min(dim=1, keepdim=True).values
     return torch.where(flat, torch.zeros_like(adv), adv).float()
 
 
 def combine_advantages(rewards: dict, weights: dict, *, mode: str, eps: float, unbiased: bool,
                        global_std: bool):
-    """Several rewards {name: [P, G]} -> one advantage [P, G]. "advantages": each reward normalised, then the
-    weighted sum (DanceGRPO, G2RPO, MixGRPO); "rewards": the weighted sum of the rewards normalised
-    (Flow-GRPO)."""
+    """Rewards {name: [P, G]} -> one advantage [P, G]: the weighted sum of the rewards each normalised
+    ("advantages": DanceGRPO, G2RPO, MixGRPO) or their weighted sum normalised ("rewards": Flow-GRPO)."""
     norm = {"eps": eps, "unbiased": unbiased, "global_std": global_std}
     if mode == "advantages":
         return sum(weights[n] * group_advantages(r, **norm) for n, r in rewards.items())
@@ -172,10 +156,8 @@ def coca_credit(advantages, x0_hats, final, *, window: int, alpha: float, group_
     means = c[1:].view(T // window, window, N).mean(1)  # m_j
     gains = means - torch.cat([c[:1], means[:-1]])  # g_0 = m_0 - c_0, g_j = m_j - m_{j-1}
     total = gains.sum(0)
-    uniform = total.abs() < 1e-12  # a zero sum (unguarded in CoCA's code): uniform weights
-    gains = torch.where(uniform, torch.ones_like(gains), gains)
-    total = torch.where(uniform, torch.full_like(total, T / window), total)
-    w = (gains / (window * total)).repeat_interleave(window, dim=0)  # [T, N]
+    uniform = total.abs() < 1e-12  # a zero sum (unguarded in CoCA's code): uniform weights 1 / T
+    w = torch.where(uniform, 1 / T, gains / (window * total)).repeat_interleave(window, dim=0)  # [T, N]
     s = w.flip(0).cumsum(0).flip(0)  # the credit to go
     r = advantages.double() * (alpha + (1 - alpha) * s)
     groups = r[:trained].reshape(trained, -1, group_size)
@@ -185,11 +167,8 @@ def coca_credit(advantages, x0_hats, final, *, window: int, alpha: float, group_
 
 
 # ======== 2. Model: loading, prompts, velocity (with an NFE counter), decoding, training setup ========
-MODEL_ALIASES = {  # short names accepted by --model
-    "toy": os.path.join(HERE, "toy", "flux-shapes"),
-    "sd3.5-medium": "stabilityai/stable-diffusion-3.5-medium",
-    "flux-dev": "black-forest-labs/FLUX.1-dev",
-}
+MODEL_ALIASES = {"toy": os.path.join(HERE, "toy", "flux-shapes"), "flux-dev": "black-forest-labs/FLUX.1-dev",
+                 "sd3.5-medium": "stabilityai/stable-diffusion-3.5-medium"}  # short names accepted by --model
 NFE = {"count": 0}  # per-sample transformer evaluations (a CFG pair counts once), counted in velocity()
 # "attn." as in Flow-GRPO: SD3.5-M's second attention (attn2) gets no adapter
 _ATTN = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj",
@@ -236,13 +215,11 @@ def load_pipeline(model: str, device, *, dtype=torch.float32):
 
 
 def latent_shape(pipe, kind: str, resolution: int) -> tuple:
-    """(C, H, W) of the latents of a square image, or a one-line error if the model cannot take
-    `resolution`."""
+    """(C, H, W) of a square image's latents, or a one-line error if the model cannot take `resolution`."""
     f = pipe.vae_scale_factor
-    multiple = 2 * f if kind == "flux" else f * pipe.transformer.config.patch_size
-    if resolution < multiple or resolution % multiple:
-        fail(f"--resolution {resolution} is not allowed for this model; use a positive multiple of "
-             f"{multiple}")
+    mult = 2 * f if kind == "flux" else f * pipe.transformer.config.patch_size
+    if resolution < mult or resolution % mult:
+        fail(f"--resolution {resolution} is not allowed for this model; use a positive multiple of {mult}")
     channels = pipe.transformer.config.in_channels // (4 if kind == "flux" else 1)
     return channels, resolution // f, resolution // f
 
@@ -253,7 +230,6 @@ def pipeline_sigmas(pipe, kind: str, *, num_steps: int, image_tokens: int) -> to
     shifts dynamically (FLUX.1-dev). A copy of the scheduler: the pipeline's own state is untouched."""
     import numpy as np
     from diffusers.pipelines.flux.pipeline_flux import calculate_shift
-
     scheduler = type(pipe.scheduler).from_config(pipe.scheduler.config)
     c = scheduler.config
     mu = calculate_shift(image_tokens, c.get("base_image_seq_len", 256), c.get("max_image_seq_len", 4096),
@@ -344,30 +320,25 @@ def velocities(transformer, kind: str, x, sigma, emb: dict, *, rows, chunks, gui
 @torch.no_grad()
 def ode_complete(transformer, kind: str, x, paths: list, sigmas, emb: dict, *, guidance: float,
                  micro_batch: int, v_first=None, emb_index=None):
-    """Integrate the ODE from each start x[n] (embedding row emb_index[n], default n) along the schedule
-    indices paths[r], r = n, n + N, ... The velocity at a start is evaluated once (or taken from `v_first`)
-    and shared by all its paths; later steps batch every row still moving, whatever its path."""
+    """Euler ODE from each x[n] (embedding emb_index[n], default n) along schedule indices paths[n + k N]; a
+    start's velocity is evaluated once (or `v_first`) for all its paths, later steps batch all moving rows."""
     n, reps = len(x), len(paths) // len(x)
     start = torch.arange(n).repeat(reps)  # row -> its start
     emb_index = torch.arange(n) if emb_index is None else emb_index.cpu()
+
+    def v_of(xs, s, e):  # velocity() of rows xs, micro_batch at a time; row j: sigma s[j], embedding row e[j]
+        chunks = torch.arange(len(xs)).split(micro_batch)
+        return torch.cat([velocity(transformer, kind, xs[c], s[c], select(emb, e[c].to(xs.device)),
+                                   guidance=guidance).float() for c in chunks])
     if v_first is None and max(map(len, paths)) > 1:
-        s0 = sigmas[[p[0] for p in paths[:n]]]
-        v_first = torch.cat([velocity(transformer, kind, x[c], s0[c], select(emb, emb_index[c].to(x.device)),
-                                      guidance=guidance).float() for c in torch.arange(n).split(micro_batch)])
+        v_first = v_of(x, sigmas[[p[0] for p in paths[:n]]], emb_index)
     x = x.float().repeat(reps, *[1] * (x.ndim - 1))
     for k in range(max(map(len, paths)) - 1):
         live = [r for r, p in enumerate(paths) if len(p) > k + 1]
         rows = torch.tensor(live, dtype=torch.long)
         s = sigmas[[paths[r][k] for r in live]]
         ds = (sigmas[[paths[r][k + 1] for r in live]] - s).to(x.device).view(-1, *[1] * (x.ndim - 1))
-        if k == 0:
-            v = v_first[start[rows]].float()
-        else:
-            parts = []
-            for c in torch.arange(len(rows)).split(micro_batch):
-                e = select(emb, emb_index[start[rows[c]]].to(x.device))
-                parts.append(velocity(transformer, kind, x[rows[c]], s[c], e, guidance=guidance).float())
-            v = torch.cat(parts)
+        v = v_first[start[rows]].float() if k == 0 else v_of(x[rows], s, emb_index[start[rows]])
         x[rows] = x[rows] + v * ds  # Euler step dx = v dt
     return x
 
@@ -384,13 +355,11 @@ def decode(pipe, latents, *, batch: int = 4) -> torch.Tensor:
 
 def make_trainable(transformer, kind: str, *, lora_rank: int, lora_alpha: float, full_finetune: bool,
                    reference: bool, sharded: bool = False, compute_dtype=None, checkpointing: bool = False):
-    """LoRA adapters (peft, gaussian init) on the attention (Flux: and MLP) projections, or full fine-tuning.
-    Returns ({name: trainable float32 parameter}, the reference: with `reference` and full fine-tuning a
-    frozen copy of the initial transformer, else None, see as_reference). `sharded`: FSDP2 for both, the
-    float32 master weights made from the local shards after sharding. `checkpointing`: per-block activation
-    checkpointing."""
+    """LoRA (peft, gaussian init) on the attention (Flux: and MLP) projections, or full fine-tuning. Returns
+    ({name: trainable float32 parameter}, with `reference` and full fine-tuning a frozen copy of the initial
+    transformer, else None). `sharded`: FSDP2 for both, float32 master weights from the local shards.
+    `checkpointing`: per-block activation checkpointing."""
     import copy
-
     ref = copy.deepcopy(transformer).requires_grad_(False) if reference and full_finetune else None
     if checkpointing:
         transformer.enable_gradient_checkpointing()
@@ -401,7 +370,7 @@ def make_trainable(transformer, kind: str, *, lora_rank: int, lora_alpha: float,
         transformer.add_adapter(LoraConfig(r=lora_rank, lora_alpha=lora_alpha, init_lora_weights="gaussian",
                                            target_modules=LORA_TARGETS[kind]))
     if sharded:
-        for model in [transformer] + ([ref] if ref is not None else []):
+        for model in [m for m in (transformer, ref) if m is not None]:
             shard(model, param_dtype=compute_dtype)
         transformer.float()  # each rank's shards only
     params = {n: p for n, p in transformer.named_parameters() if p.requires_grad}
@@ -417,23 +386,19 @@ def transformer_blocks(model) -> list:
 
 
 def shard(model, *, param_dtype=None, mesh=None):
-    """FSDP2: one fully_shard per block, then the root; forwards gather `param_dtype` (bf16) weights,
-    gradients reduce in float32. Only the root casts forward inputs: the blocks see RoPE and the time
-    embedding exactly as an unsharded model's blocks."""
+    """FSDP2: a fully_shard per block, then the root; forwards gather `param_dtype` (bf16) weights, gradients
+    reduce in float32. Only the root casts forward inputs: blocks see RoPE and time embedding as unsharded."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    root = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-    blocks = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32,
-                                  cast_forward_inputs=False)
+    policy = {"param_dtype": param_dtype, "reduce_dtype": torch.float32}
+    blocks = MixedPrecisionPolicy(**policy, cast_forward_inputs=False)
     for block in transformer_blocks(model):
         fully_shard(block, mp_policy=blocks, mesh=mesh)
-    fully_shard(model, mp_policy=root, mesh=mesh)
+    fully_shard(model, mp_policy=MixedPrecisionPolicy(**policy), mesh=mesh)
 
 
 @contextlib.contextmanager
 def gathered(transformer, *, sharded: bool):
-    """Keep a sharded transformer's blocks gathered for a run of no-grad forwards (a rollout) instead of
-    all-gathering every block at every forward; reshard afterwards."""
+    """A sharded transformer's blocks kept gathered over no-grad forwards (a rollout), resharded after."""
     blocks = transformer_blocks(transformer) if sharded else []
     for b in blocks:
         b.set_reshard_after_forward(False)
@@ -447,8 +412,8 @@ def gathered(transformer, *, sharded: bool):
 
 
 def forget_forwards(model):
-    """FSDP2 records each forward for the next backward's prefetching; a reference model never runs backward,
-    so its record would grow by an entry per block and forward all run long: clear it."""
+    """Clear FSDP2's record of forwards (for the next backward's prefetching): a reference model never runs
+    backward, so its record would grow by an entry per block and forward all run long."""
     state = model._get_fsdp_state() if hasattr(model, "_get_fsdp_state") else None
     if state is None or state._comm_ctx is None:
         return
@@ -460,19 +425,16 @@ def forget_forwards(model):
 
 @contextlib.contextmanager
 def as_reference(transformer, frozen=None):
-    """The reference (pre-RL) model: the frozen copy of a fully fine-tuned run, else the same transformer with
-    its LoRA adapter switched off."""
-    if frozen is not None:
-        try:
-            yield frozen
-        finally:
-            forget_forwards(frozen)
-        return
-    transformer.disable_adapters()
+    """The reference (pre-RL) model: a full fine-tune's frozen copy, else the transformer with LoRA off."""
+    if frozen is None:
+        transformer.disable_adapters()
     try:
-        yield transformer
+        yield transformer if frozen is None else frozen
     finally:
-        transformer.enable_adapters()
+        if frozen is None:
+            transformer.enable_adapters()
+        else:
+            forget_forwards(frozen)
 
 
 # ======== 3. Rewards (each fn(images [B, 3, H, W] in [0, 1], prompts) -> float32 [B]) and prompts ========
@@ -550,7 +512,6 @@ def check_rewards(names, models: RewardModels):
 def jpeg_compressibility(images, prompts):
     """-(JPEG quality-95 size in kB) / 500, as in Flow-GRPO (smaller files score higher)."""
     from PIL import Image
-
     sizes = []
     for img in (images.detach().float().clamp(0, 1) * 255).round().byte().permute(0, 2, 3, 1).cpu().numpy():
         buf = io.BytesIO()
@@ -748,17 +709,15 @@ def check_common_args(args, world: int):
 
 def setup_distributed():
     """torchrun-aware setup: NCCL on CUDA, gloo on CPU. Returns (rank, world_size, device)."""
-    import datetime
-
+    from datetime import timedelta
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
     if world > 1 and not dist.is_initialized():
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        # a 12B-parameter checkpoint can take minutes to write while the other ranks wait
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, timeout=datetime.timedelta(hours=1))
+        # an hour: a 12B-parameter checkpoint can take minutes to write while the other ranks wait
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(hours=1))
     return (dist.get_rank() if world > 1 else 0), world, device
 
 
@@ -767,8 +726,7 @@ def is_main_rank() -> bool:
 
 
 def gather_cat(t: torch.Tensor) -> torch.Tensor:
-    """Equal-shaped tensors from every rank concatenated along dim 0 in rank order (identity on one
-    process)."""
+    """Equal-shaped tensors of every rank concatenated along dim 0 in rank order (identity on one process)."""
     if not dist.is_initialized():
         return t
     parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
@@ -802,37 +760,34 @@ def broadcast_object(obj):
 
 
 def iteration_generator(seed: int, iteration: int, rank: int, stream: int = 0) -> torch.Generator:
-    """The generator of one iteration's random draws on one rank (prompts, noise), so that a resumed run
-    repeats an uninterrupted one; `stream` 1, 2, ... are further independent streams."""
+    """One iteration's generator on one rank (prompts, noise), so that a resumed run repeats an uninterrupted
+    one; `stream` 1, 2, ... are further independent streams."""
     return torch.Generator().manual_seed(seed * 100_003 + iteration * 1009 + rank + stream * 2**40)
 
 
 def seed_everything(seed: int, *, deterministic: bool = False):
     import random
-
     random.seed(seed)
     torch.manual_seed(seed)  # numpy draws nothing random here
     torch.backends.cudnn.deterministic = deterministic
 
 
 def optimizer_step(params: dict, optimizer, *, max_grad_norm: float, sharded: bool, has_gradient: bool):
-    """One optimizer step on the gradients of every rank: DDP-style averaging (FSDP2 reduces its own), norm
-    clipping, step, zero. No rank steps when no rank had a gradient (`has_gradient`: a term with a non-zero
-    advantage or a KL), so 1 and N processes take the same steps. Returns the gradient norm before clipping,
-    or None without a step; a non-finite norm stops the run before any weight or checkpoint changes."""
-    if not max_over_ranks(float(has_gradient)):
-        optimizer.zero_grad(set_to_none=True)
-        return None
-    if dist.is_initialized() and not sharded:
-        for p in params.values():
-            p.grad = torch.zeros_like(p) if p.grad is None else p.grad
-            dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
-    norm = torch.nn.utils.clip_grad_norm_(list(params.values()), max_grad_norm)
-    norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
-    if not math.isfinite(norm):
-        fail(f"the gradient norm is {norm}; the run stops before the weights or a checkpoint change (lower "
-             f"--learning-rate, or check the rewards)")
-    optimizer.step()
+    """One optimizer step on every rank's gradients: DDP-style averaging (FSDP2 reduces its own), clipping,
+    step, zero; none if no rank had a gradient (`has_gradient`: a non-zero advantage or a KL term), so 1 and N
+    processes step alike. Returns the norm before clipping or None; a non-finite norm stops the run."""
+    norm = None
+    if max_over_ranks(float(has_gradient)):
+        if dist.is_initialized() and not sharded:
+            for p in params.values():
+                p.grad = torch.zeros_like(p) if p.grad is None else p.grad
+                dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
+        norm = torch.nn.utils.clip_grad_norm_(list(params.values()), max_grad_norm)
+        norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        if not math.isfinite(norm):
+            fail(f"the gradient norm is {norm}; the run stops before the weights or a checkpoint change "
+                 f"(lower --learning-rate, or check the rewards)")
+        optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return norm
 
@@ -854,27 +809,24 @@ def run_directory(args, *, checkpoint: str | None) -> str:
 
 def make_writer(run_dir: str, args, *, resume_iteration: int | None = None):
     """Rank 0's TensorBoard writer (wandb syncing it with --track), the arguments as text. Resuming after
-    iteration N first drops what the killed run logged after N: metrics.jsonl rows, eval_<i>.json,
-    samples/eval_<i>.png and TensorBoard events, so that the logs read like an uninterrupted run's."""
+    iteration N first drops what the killed run logged after N (metrics.jsonl rows, eval_<i>.json,
+    samples/eval_<i>.png, TensorBoard events), so the logs read like an uninterrupted run's."""
     from torch.utils.tensorboard import SummaryWriter
-
-    done = resume_iteration
     metrics = os.path.join(run_dir, "metrics.jsonl")
-    if done is not None and os.path.isfile(metrics):
-        rows = [r for r in read_jsonl(metrics) if r["iteration"] <= done]
+    if resume_iteration is not None and os.path.isfile(metrics):
+        rows = [r for r in read_jsonl(metrics) if r["iteration"] <= resume_iteration]
         with open(metrics, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
         for d in (run_dir, os.path.join(run_dir, "samples")):
             for name in os.listdir(d) if os.path.isdir(d) else []:
-                if name.startswith("eval_") and (iteration_of(name) or 0) > done:
+                if name.startswith("eval_") and (iteration_of(name) or 0) > resume_iteration:
                     os.remove(os.path.join(d, name))
     config = loggable(args)
     if args.track:
         import wandb
-
         wandb.init(project=args.wandb_project, sync_tensorboard=True, config=config,
                    name=os.path.basename(run_dir), save_code=True)
-    writer = SummaryWriter(run_dir, purge_step=None if done is None else done + 1)
+    writer = SummaryWriter(run_dir, purge_step=None if resume_iteration is None else resume_iteration + 1)
     table = "\n".join(f"|{k}|{v}|" for k, v in config.items())
     writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + table)
     return writer
@@ -891,8 +843,8 @@ def read_jsonl(path: str) -> list[dict]:
 
 
 def log_metrics(writer, run_dir: str, step: int, metrics: dict, per_sample: dict | None = None):
-    """Scalars to TensorBoard and a JSON line to <run_dir>/metrics.jsonl; `per_sample` (every evaluation
-    pair's reward, for paired comparisons) to <run_dir>/eval_<step>.json. Called on rank 0."""
+    """On rank 0: scalars to TensorBoard and a line to <run_dir>/metrics.jsonl; `per_sample` (every evaluation
+    pair's reward, for paired comparisons) to <run_dir>/eval_<step>.json."""
     for k, v in metrics.items():
         writer.add_scalar(k, v, step)
     with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
@@ -911,8 +863,7 @@ def iteration_of(name: str) -> int | None:
 
 @torch.no_grad()
 def ema_update(ema: list, params: list, decay: float, step: int):
-    """EMA of the trainable weights (evaluation and the exports use it), with Flow-GRPO's warm-up: the decay
-    is min((1 + s) / (10 + s), decay) after s optimizer steps."""
+    """Flow-GRPO's EMA (with warm-up) of the weights: decay min((1 + s) / (10 + s), decay) after s steps."""
     decay = min((1 + step) / (10 + step), decay)
     for e, p in zip(ema, params):
         e.mul_(decay).add_(p.detach().float(), alpha=1 - decay)
@@ -934,14 +885,8 @@ def swapped_in(params: list, values):
                 p.copy_(b)
 
 
-def _barrier():
-    if dist.is_initialized():
-        dist.barrier()
-
-
 def latest_checkpoint(path: str):
-    """The newest complete checkpoint <run>/checkpoints/iter_<N> of a run directory (or `path` itself if it is
-    one), or None."""
+    """The newest complete <run>/checkpoints/iter_<N> of a run directory (or `path` if it is one), or None."""
     path = os.path.normpath(path)
     if os.path.isfile(os.path.join(path, "run.json")):
         if iteration_of(path) is None or os.path.basename(os.path.dirname(path)) != "checkpoints":
@@ -953,15 +898,13 @@ def latest_checkpoint(path: str):
     return os.path.join(root, max(done, key=iteration_of)) if done else None
 
 
-# what a resumed run must share with its checkpoint: the layout of the trainable weights
-FIXED_ON_RESUME = ("model", "full_finetune", "lora_rank", "lora_alpha", "ema")
+FIXED_ON_RESUME = ("model", "full_finetune", "lora_rank", "lora_alpha", "ema")  # trainable weights' layout
 
 
 def resume_checkpoint(path: str, *, args, world: int, script: str) -> tuple[str, int]:
-    """The checkpoint to resume from (chosen on rank 0, so that every rank reads the same one) and its
-    iteration, checked before any model loads: the same algorithm file, model and trainable weights, and the
-    same world size for a sharded run. Prints every argument that differs from the checkpoint's: the new
-    values apply (e.g. --learning-rate and --weight-decay)."""
+    """The checkpoint to resume (chosen on rank 0: every rank reads the same one) and its iteration, checked
+    before any model loads: same algorithm file, model, trainable weights, world size if sharded. Prints the
+    arguments that differ from the checkpoint's: the new values apply (e.g. --learning-rate)."""
     ckpt = broadcast_object(latest_checkpoint(path) if is_main_rank() else None)
     if ckpt is None:
         fail(f"--resume {path!r} holds no checkpoint; pass a run directory with checkpoints/iter_*")
@@ -991,24 +934,22 @@ def resume_checkpoint(path: str, *, args, world: int, script: str) -> tuple[str,
 
 def save_state(path: str, *, iteration: int, transformer, optimizer, params: dict, ema, args, pipe,
                sharded: bool, keep: int = 0):
-    """Atomic checkpoint at `path` (written to path.tmp, published by one rename): run.json (iteration,
-    script, world size, arguments), state.pt (an unsharded run's trainable weights, optimizer and EMA) or dcp/
-    (a sharded run: each rank writes its shards with torch.distributed.checkpoint), and the exported weights:
-    lora/ (diffusers, `pipe.load_lora_weights`, with its alpha) or transformer/ (diffusers; sharded: a file
-    per rank and an index, read by `<Transformer>.from_pretrained`). With an EMA the exports hold the EMA."""
+    """Atomic checkpoint at `path` (path.tmp, renamed): run.json (iteration, script, world size, arguments),
+    state.pt (unsharded: trainable weights, optimizer, EMA) or dcp/ (sharded: each rank's shards by
+    torch.distributed.checkpoint), exports (the EMA if any): lora/ (diffusers `pipe.load_lora_weights`, with
+    alpha) or transformer/ (`<Transformer>.from_pretrained`; sharded: a file per rank and an index)."""
     from safetensors.torch import save_file
-
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    barrier = dist.barrier if dist.is_initialized() else lambda: None
     tmp = path + ".tmp"
     export = os.path.join(tmp, "transformer")
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(export)
-    _barrier()
+    barrier()
     if sharded:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
-
         model_state, optim_state = get_state_dict(transformer, optimizer)
         dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=os.path.join(tmp, "dcp"))
         files = [f"diffusion_pytorch_model-{r + 1:05d}-of-{world:05d}.safetensors" for r in range(world)]
@@ -1038,19 +979,17 @@ def save_state(path: str, *, iteration: int, transformer, optimizer, params: dic
                 save_file(weights, os.path.join(export, "diffusion_pytorch_model.safetensors"))
             else:
                 from peft.utils import get_peft_model_state_dict
-
                 os.rmdir(export)
                 adapter = transformer.peft_config["default"].to_dict()  # its alpha: loaded at full strength
                 lora = get_peft_model_state_dict(transformer)
                 type(pipe).save_lora_weights(os.path.join(tmp, "lora"), lora,
                                              transformer_lora_adapter_metadata=adapter)
+    barrier()
     if rank == 0:
         run = {"iteration": iteration, "script": os.path.basename(sys.argv[0]), "world": world,
                "sharded": sharded, "args": loggable(args)}
         with open(os.path.join(tmp, "run.json"), "w") as f:
             json.dump(run, f, indent=1)
-    _barrier()
-    if rank == 0:
         shutil.rmtree(path, ignore_errors=True)
         os.replace(tmp, path)
         root = os.path.dirname(path)
@@ -1058,19 +997,17 @@ def save_state(path: str, *, iteration: int, transformer, optimizer, params: dic
                       key=iteration_of)
         for d in done[:-keep] if keep else []:  # a sharded FLUX.1-dev checkpoint is ~190 GB
             shutil.rmtree(os.path.join(root, d))
-    _barrier()
+    barrier()
 
 
 def load_state(path: str, *, transformer, optimizer, params: dict, sharded: bool, device, ema: bool,
                learning_rate: float, weight_decay: float):
-    """Restore what save_state wrote (a sharded run: the same world size) and apply this run's learning rate
-    and weight decay to the restored optimizer. Returns the EMA (a list), or None."""
+    """Restores what save_state wrote (sharded: same world size), with this run's learning rate and weight
+    decay in the optimizer. Returns the EMA (a list), or None."""
     if sharded:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-        model_state, optim_state = get_state_dict(transformer, optimizer)
-        shards = {"model": model_state, "optim": optim_state}
+        shards = dict(zip(("model", "optim"), get_state_dict(transformer, optimizer)))
         dcp.load(shards, checkpoint_id=os.path.join(path, "dcp"))  # each rank reads its own shards in place
         set_state_dict(transformer, optimizer, model_state_dict=shards["model"],
                        optim_state_dict=shards["optim"])
@@ -1094,22 +1031,19 @@ def load_state(path: str, *, transformer, optimizer, params: dict, sharded: bool
 @torch.no_grad()
 def evaluate_policy(transformer, *, pipe, kind: str, prompts: list[str], rewards: dict, num_pairs: int,
                     sigmas, guidance: float, max_sequence_length: int, micro_batch: int, shape: tuple,
-                    sharded: bool, rank: int, world: int, device, autocast=None,
-                    first_seed: int = 10**6):
-    """ODE samples (noise 0) of the fixed held-out pairs 0 .. num_pairs - 1 (pair k: prompt k mod
-    len(prompts), noise seed first_seed + k), this rank's contiguous share of them, scored by every reward.
-    The shares are equal (the last ranks repeat the last pair, so that every rank runs the same forwards; the
-    repeats are dropped). Returns ({reward: every pair's score in pair order}, this rank's images, prompts and
-    scores)."""
+                    sharded: bool, rank: int, world: int, device, autocast=None, first_seed: int = 10**6):
+    """ODE samples of the fixed held-out pairs 0 .. num_pairs - 1 (pair k: prompt k mod len(prompts), noise
+    seed first_seed + k), this rank's equal, contiguous share (the last ranks repeat the last pair so every
+    rank runs the same forwards), scored by every reward. Returns ({reward: every pair's score in pair order},
+    this rank's images, prompts and scores)."""
     n = -(-num_pairs // world)
     pairs = [min(k, num_pairs - 1) for k in range(rank * n, (rank + 1) * n)]
     local_prompts = [prompts[k % len(prompts)] for k in pairs]
-    noise = [torch.randn(*shape, generator=torch.Generator().manual_seed(first_seed + k)) for k in pairs]
-    noise = torch.stack(noise)
-    # encoded before the weights are gathered
+    noise = torch.stack([torch.randn(*shape, generator=torch.Generator().manual_seed(first_seed + k))
+                         for k in pairs])
     emb = encode_prompts(pipe, kind, local_prompts, max_sequence_length=max_sequence_length, cfg=guidance)
-    with autocast or contextlib.nullcontext(), gathered(transformer, sharded=sharded):
-        paths = [list(range(len(sigmas)))] * len(noise)
+    paths = [list(range(len(sigmas)))] * len(noise)
+    with autocast or contextlib.nullcontext(), gathered(transformer, sharded=sharded):  # after the encoding
         x0 = ode_complete(transformer, kind, noise.to(device), paths, sigmas, emb, guidance=guidance,
                           micro_batch=micro_batch)
     images = torch.cat([decode(pipe, z) for z in x0.split(micro_batch)])
@@ -1119,13 +1053,10 @@ def evaluate_policy(transformer, *, pipe, kind: str, prompts: list[str], rewards
 
 
 def image_grid(images, captions, ncols: int = 6, path: str | None = None, title: str = ""):
-    """A matplotlib figure of images [B, 3, H, W] in [0, 1], a caption above each; saved to `path` if
-    given."""
+    """Matplotlib figure of images [B, 3, H, W] in [0, 1] under their captions, saved to `path` if given."""
     import matplotlib
-
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
     ncols = min(ncols, len(images))
     rows = math.ceil(len(images) / ncols)
     lines = max(c.count("\n") + 1 for c in captions)
@@ -1145,8 +1076,7 @@ def image_grid(images, captions, ncols: int = 6, path: str | None = None, title:
 
 
 def save_eval_grid(run_dir: str, iteration: int, images, prompts: list, scores: dict, n: int = 12):
-    """runs/<run>/samples/eval_<iteration>.png: the first n evaluation pairs with their prompts and
-    rewards."""
+    """runs/<run>/samples/eval_<iteration>.png: the first n evaluation pairs, their prompts and rewards."""
     captions = ["\n".join(textwrap.wrap(p, 34) + [f"{k} {v[i]:.3f}" for k, v in scores.items()])
                 for i, p in enumerate(prompts[:n])]
     image_grid(images[:n].cpu(), captions, path=os.path.join(run_dir, "samples", f"eval_{iteration}.png"),
