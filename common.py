@@ -123,7 +123,7 @@ def training_minibatches(advantages, *, updates: int, micro_batches: int, genera
     those zero at every step are dropped, random dropped ones put back until the number kept is a multiple of
     `micro_batches` (if enough were dropped), and the kept ones shuffled into `updates` mini-batches of sample
     indices. Over all ranks' samples with one generator on every rank: 1 and N ranks make the same ones."""
-    keep = advantages.abs().sum(0) != 0
+    keep = (advantages.abs().sum(0) != 0).cpu()  # CPU indices: they select CPU tensors too (prompt rows)
     short, dropped = -int(keep.sum()) % micro_batches, torch.where(~keep)[0]
     if 0 < short <= len(dropped):
         keep[dropped[torch.randperm(len(dropped), generator=generator)[:short]]] = True
@@ -617,7 +617,13 @@ def parse_args(args_class, *, toy: dict, description: str):
     if wants_toy:
         description += " (--model toy: the defaults below are the file's TOY preset)"
     try:
-        return tyro.cli(args_class, default=default, description=description)
+        args = tyro.cli(args_class, default=default, description=description)
+        for i, a in enumerate(sys.argv):  # a secret never stays in sys.argv, which wandb uploads
+            if a.startswith("--unifiedreward-api-key") and a != "--unifiedreward-api-key":
+                sys.argv[i] = "--unifiedreward-api-key=<hidden>"
+            elif i and sys.argv[i - 1] == "--unifiedreward-api-key":
+                sys.argv[i] = "<hidden>"
+        return args
     except SystemExit:
         with contextlib.suppress(BrokenPipeError):
             sys.stdout.flush()

@@ -306,8 +306,9 @@ if __name__ == "__main__":
         # up) and the others shuffled into new mini-batches (Flow-GRPO's train_sd3.py), alike on every rank
         trained_advantages = gather_cat(advantages[train_steps].T.contiguous()).T
         same_on_ranks = iteration_generator(args.seed, iteration, 0, stream=1)
+        micro_batches = -(-trained_advantages.shape[1] // args.micro_batch)  # as many as one process has
         minibatches = training_minibatches(trained_advantages, updates=args.updates_per_iteration,
-                                           micro_batches=len(chunks) * world, generator=same_on_ranks)
+                                           micro_batches=micro_batches, generator=same_on_ranks)
         for u, minibatch in enumerate(minibatches):
             has_gradient = False
             for j in train_steps:

@@ -250,3 +250,17 @@ def test_the_api_key_is_never_logged_or_saved(server, tiny, tmp_path):
     (run_json,) = glob.glob(os.path.join(run_dir, "checkpoints", "*", "run.json"))
     with open(run_json) as f:
         assert json.load(f)["args"]["reward_models"]["unifiedreward_api_key"] == "<hidden>"
+
+
+@pytest.mark.parametrize("given", [["--unifiedreward-api-key", "k3y-1"], ["--unifiedreward-api-key=k3y-1"]])
+def test_the_api_key_leaves_sys_argv_once_parsed(monkeypatch, given):
+    """wandb uploads sys.argv with a run's metadata: after parsing, the key is in the arguments only."""
+    import sys
+
+    import flow_grpo
+    from common import parse_args
+
+    monkeypatch.setattr(sys, "argv", ["flow_grpo.py", "--beta", "0", *given, "--seed", "3"])
+    args = parse_args(flow_grpo.Args, toy=flow_grpo.TOY, description="")
+    assert args.reward_models.unifiedreward_api_key == "k3y-1" and args.seed == 3
+    assert not any("k3y-1" in a for a in sys.argv) and "--seed" in sys.argv
