@@ -37,14 +37,30 @@ def test_nfe_equals_closed_form(tiny, tmp_path, n, expected):
     assert m[1]["perf/nfe_rollout_per_prompt"] == m[1]["perf/nfe_min_per_prompt"] == expected
 
 
-def test_pure_ode_gives_zero_dense_rewards(tiny, tmp_path):
-    """psi = 0: every completion of a trajectory lands on its final latent, so every R_t is equal, every Delta R_t and
-    every advantage is 0, and nothing is learned."""
+def test_pure_ode_gives_zero_dense_rewards(tmp_path):
+    """Without noise (psi = 0) every latent of a trajectory is a point of the ODE path, so its completion (n = t)
+    lands on the trajectory's final latent: every R_t is equal and every Delta R_t is 0. A psi file that is 0 at
+    every trained step is therefore refused (nothing could be trained, yet a checkpoint would be exported)."""
+    import common
+    from tiny import build_flux
+
+    pipe = build_flux()
+    sigmas = common.pipeline_sigmas(pipe, "flux", num_steps=4, image_tokens=64)
+    emb = common.encode_prompts(pipe, "flux", ["a red circle"], max_sequence_length=16)
+    x = [torch.randn(1, 4, 16, 16, generator=torch.Generator().manual_seed(0))]
+    with torch.no_grad():
+        for i in range(4):  # the sampler with psi = 0 at every step: the Euler ODE
+            v = common.velocity(pipe.transformer, "flux", x[i], sigmas[i], emb, guidance=3.5)
+            x.append(common.sde_step(v, x[i], sigmas, i, 0.0)[0])
+        paths = [densegrpo.spaced_indices(i, 4, 4) for i in range(4)]
+        x0 = common.ode_complete(pipe.transformer, "flux", torch.cat(x[:4]), paths, sigmas, emb, guidance=3.5,
+                                 micro_batch=4, emb_index=torch.zeros(4, dtype=torch.long))
+    torch.testing.assert_close(x0, x[4].expand(4, -1, -1, -1), rtol=0, atol=1e-5)
+    r = common.score({"jpeg": common.jpeg_compressibility}, common.decode(pipe, torch.cat([x0, x[4]])), [""] * 5)
+    assert densegrpo.dense_rewards(r["jpeg"].view(5, 1)).abs().max() < 1e-4  # a flipped pixel at most
     (tmp_path / "psi.json").write_text(json.dumps({"psi": [0.0] * 4}))
-    run_script("densegrpo.py", tiny_flags(tiny["flux"], tiny["prompts"], tmp_path / "out", psi=tmp_path / "psi.json",
-                                          beta=0, eval_every=0))
-    _, m = read_metrics(tmp_path / "out")
-    assert m[1]["train/grad_norm"] == 0.0 and m[1]["train/policy_loss"] == 0.0 and m[1]["psi/step_0"] == 0.0
+    with pytest.raises(SystemExit, match=r"is 0 at every trained step \(the first 3\): none has noise to train"):
+        check_args(densegrpo, num_steps=4, psi=str(tmp_path / "psi.json"))
 
 
 @pytest.mark.parametrize("kind", ["flux", "sd3"])
