@@ -939,11 +939,12 @@ def resume_checkpoint(path: str, *, args, world: int, script: str) -> tuple[str,
 
 
 def save_state(path: str, *, iteration: int, transformer, optimizer, params: dict, ema, args, pipe,
-               sharded: bool, keep: int = 0):
+               sharded: bool, keep: int = 0, extra: dict | None = None):
     """Atomic checkpoint at `path` (path.tmp, renamed): run.json (iteration, script, world size, arguments),
-    state.pt (unsharded: trainable weights, optimizer, EMA) or dcp/ (sharded: each rank's shards by
-    torch.distributed.checkpoint), exports (the EMA if any): lora/ (diffusers `pipe.load_lora_weights`, with
-    alpha) or transformer/ (`<Transformer>.from_pretrained`; sharded: a file per rank and an index)."""
+    state.pt (unsharded: trainable weights, optimizer, EMA, `extra` {name: a list shaped like params}, e.g. an
+    old policy) or dcp/ (sharded: each rank's shards by torch.distributed.checkpoint, `extra` too), exports
+    (the EMA if any): lora/ (diffusers `pipe.load_lora_weights`, with alpha) or transformer/
+    (`<Transformer>.from_pretrained`; sharded: a file per rank and an index)."""
     from safetensors.torch import save_file
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     barrier = dist.barrier if dist.is_initialized() else lambda: None
@@ -957,7 +958,9 @@ def save_state(path: str, *, iteration: int, transformer, optimizer, params: dic
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
         model_state, optim_state = get_state_dict(transformer, optimizer)
-        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=os.path.join(tmp, "dcp"))
+        extra_state = {k: dict(zip(params, v)) for k, v in (extra or {}).items()}
+        dcp.save({"model": model_state, "optim": optim_state, "extra": extra_state},
+                 checkpoint_id=os.path.join(tmp, "dcp"))
         files = [f"diffusion_pytorch_model-{r + 1:05d}-of-{world:05d}.safetensors" for r in range(world)]
         weight_map, mine = {}, {}
         for k, (name, t) in enumerate(transformer.state_dict().items()):  # one tensor at a time, every rank
@@ -976,7 +979,8 @@ def save_state(path: str, *, iteration: int, transformer, optimizer, params: dic
     elif rank == 0:
         state = {"trainable": {n: p.detach().cpu().clone() for n, p in params.items()},
                  "optimizer": optimizer.state_dict(),
-                 "ema": dict(zip(params, (e.cpu() for e in ema))) if ema else None}
+                 "ema": dict(zip(params, (e.cpu() for e in ema))) if ema else None,
+                 "extra": {k: dict(zip(params, (t.cpu() for t in v))) for k, v in (extra or {}).items()}}
         torch.save(state, os.path.join(tmp, "state.pt"))
         with swapped_in(list(params.values()), ema):
             if args.full_finetune:
@@ -1007,13 +1011,15 @@ def save_state(path: str, *, iteration: int, transformer, optimizer, params: dic
 
 
 def load_state(path: str, *, transformer, optimizer, params: dict, sharded: bool, device, ema: bool,
-               learning_rate: float, weight_decay: float):
+               learning_rate: float, weight_decay: float, extra: dict | None = None):
     """Restores what save_state wrote (sharded: same world size), with this run's learning rate and weight
-    decay in the optimizer. Returns the EMA (a list), or None."""
+    decay in the optimizer, and the lists of `extra` in place. Returns the EMA (a list), or None."""
+    extra = extra or {}
     if sharded:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
         shards = dict(zip(("model", "optim"), get_state_dict(transformer, optimizer)))
+        shards["extra"] = {k: dict(zip(params, v)) for k, v in extra.items()}
         dcp.load(shards, checkpoint_id=os.path.join(path, "dcp"))  # each rank reads its own shards in place
         set_state_dict(transformer, optimizer, model_state_dict=shards["model"],
                        optim_state_dict=shards["optim"])
@@ -1028,6 +1034,10 @@ def load_state(path: str, *, transformer, optimizer, params: dict, sharded: bool
                 p.copy_(state["trainable"][n])
         optimizer.load_state_dict(state["optimizer"])
         saved_ema = state["ema"]
+        with torch.no_grad():
+            for k, values in extra.items():
+                for n, t in zip(params, values):
+                    t.copy_(state["extra"][k][n])
     for group in optimizer.param_groups:
         group["lr"], group["weight_decay"] = learning_rate, weight_decay
     return [saved_ema[n].to(device) for n in params] if ema else None
