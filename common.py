@@ -2,7 +2,8 @@
 
 0. fail: a one-line error instead of a traceback
 1. Math (torch only): shifted_sigmas, strided_indices, spaced_indices, gaussian_log_prob, sde_mean_std,
-   sde_step, ode_step, group_advantages, combine_advantages, training_minibatches, rank_chunks, coca_credit
+   sde_step, ode_step, dpm2_step, group_advantages, combine_advantages, training_minibatches, rank_chunks,
+   coca_credit
 2. Model: load_pipeline, latent_shape, pipeline_sigmas, encode_prompts, select, velocity (NFE), velocities,
    ode_complete, decode, make_trainable, shard, gathered, as_reference
 3. Rewards and prompts: RewardModels, REWARDS, load_rewards (HPS-v2.1, CLIP score, PickScore, ImageReward,
@@ -94,6 +95,21 @@ def sde_step(v, x, sigmas, i: int, noise_level: float, *, prev_sample=None, gene
 def ode_step(v, x, sigma: float, sigma_next: float):
     """Euler step of the probability-flow ODE dx = v dt (float32)."""
     return x.float() + v.float() * (float(sigma_next) - float(sigma))
+
+
+def dpm2_step(v, x, sigmas, i: int, *, x0_prev=None):
+    """One step sigmas[i] -> sigmas[i + 1] of DiffusionNFT's deterministic "dpm2" sampler (solver.py):
+    DPM-Solver++(2M) on x0 = x - sigma v, lambda = log((1 - sigma) / sigma); first order (DDIM with eta 0,
+    i.e. the Euler step) without `x0_prev` (the previous step's x0), after sigma = 1, and into sigma = 0.
+    Returns (x_next, x0), float32."""
+    s, t = float(sigmas[i]), float(sigmas[i + 1])
+    x, x0 = x.float(), x.float() - s * v.float()
+    if x0_prev is None or t == 0 or float(sigmas[i - 1]) == 1:  # D1 = (m0 - m1) / r0 is 0 after sigma = 1
+        return t / s * x + (1 - t / s) * x0, x0
+    lam = [math.log((1 - u) / u) for u in (float(sigmas[i - 1]), s, t)]
+    h, r0 = lam[2] - lam[1], (lam[1] - lam[0]) / (lam[2] - lam[1])
+    d = x0 + 0.5 * (x0 - x0_prev) / r0  # D0 + D1 / 2
+    return t / s * x - (1 - t) * math.expm1(-h) * d, x0
 
 
 def group_advantages(rewards, *, eps: float, unbiased: bool, global_std: bool = False):
@@ -643,10 +659,11 @@ ARG_RANGES = {
     "max_grad_norm": "> 0", "updates_per_iteration": ">= 1", "ema_decay": "[0, 1)", "ema_every": ">= 1",
     "num_iterations": ">= 1", "eval_every": ">= 0", "eval_num": ">= 1", "save_every": ">= 0",
     "keep_checkpoints": ">= 0", "log_images_every": ">= 0",
-    # algorithm specific: CoCA, DenseGRPO, G2RPO, MixGRPO
+    # algorithm specific: CoCA, DenseGRPO, G2RPO, MixGRPO, DiffusionNFT, AWM
     "coca_window": ">= 1", "coca_alpha": "[0, 1]", "dense_ode_steps": ">= 1", "eps1": "> 0", "eps2": "> 0",
     "psi_range": "[0, 10]", "sde_steps": ">= 0", "lambdas": ">= 1", "window_size": ">= 1",
     "window_stride": ">= 0", "window_shift_interval": ">= 1", "flash_compress": "(0, 1]",
+    "nft_beta": "> 0", "decay_type": "[0, 2]",  # DiffusionNFT
     # evaluate.py
     "num_prompts": ">= 1", "seeds_per_prompt": ">= 1", "steps": ">= 1",
 }
