@@ -64,17 +64,15 @@ def gaussian_log_prob(x: torch.Tensor, mean: torch.Tensor, std: float) -> torch.
 
 
 def sde_mean_std(v, x, sigmas, i: int, noise_level: float, *, form: str = "flow_grpo"):
-    """Mean and std of one Euler-Maruyama step sigmas[i] -> sigmas[i + 1] (dt < 0) of the marginal-preserving
-    SDE dx = [v + g^2 / (2 sigma) (x + (1 - sigma) v)] dt + g dW (Flow-GRPO Eq. 9, G2RPO Eq. 3), with g = a
-    sqrt(sigma / (1 - sigma)) (form "flow_grpo": Flow-GRPO's std_dev_t, sigma = 1 replaced by sigmas[1] in the
-    denominator) or g = eta (form "dance": DanceGRPO). Returns (mean, g sqrt(-dt), g), float32."""
+    """Mean and std of an Euler-Maruyama step sigmas[i] -> sigmas[i + 1] (dt < 0) of the marginal-preserving
+    SDE dx = [v + g^2 / (2 sigma) (x + (1 - sigma) v)] dt + g dW (Flow-GRPO Eq. 9, G2RPO Eq. 3), g = a
+    sqrt(sigma / (1 - sigma)) ("flow_grpo": std_dev_t) or eta ("dance"). Float32 (mean, g sqrt(-dt), g)."""
     if form not in ("flow_grpo", "dance"):
         fail(f"noise form {form!r} is not known; use 'flow_grpo' or 'dance'")
     v, x = v.float(), x.float()
     sigma, dt = float(sigmas[i]), float(sigmas[i + 1]) - float(sigmas[i])
-    g = noise_level
-    if form == "flow_grpo":
-        g = noise_level * math.sqrt(sigma / (1 - (float(sigmas[1]) if sigma == 1 else sigma)))
+    below = float(sigmas[1]) if sigma == 1 else sigma  # Flow-GRPO: sigma = 1 -> sigmas[1] in the denominator
+    g = noise_level * math.sqrt(sigma / (1 - below)) if form == "flow_grpo" else noise_level
     mean = x + (v + g**2 / (2 * sigma) * (x + (1 - sigma) * v)) * dt
     return mean, g * math.sqrt(-dt), g
 
@@ -135,10 +133,9 @@ def combine_advantages(rewards: dict, weights: dict, *, mode: str, eps: float, u
 
 
 def training_minibatches(advantages, *, updates: int, micro_batches: int, generator):
-    """Flow-GRPO's trained samples (train_sd3.py): of the advantages [trained steps, N] of all ranks' samples,
-    those zero at every step are dropped, random dropped ones put back until the number kept is a multiple of
-    `micro_batches` (if enough were dropped), and the kept ones shuffled into `updates` mini-batches of sample
-    indices. Over all ranks' samples with one generator on every rank: 1 and N ranks make the same ones."""
+    """Flow-GRPO's trained samples (train_sd3.py): of all ranks' advantages [trained steps, N], samples zero
+    at every step dropped, random dropped ones put back until `micro_batches` divides the number kept,
+    shuffled into `updates` mini-batches of indices. One generator on all ranks: 1 and N ranks agree."""
     keep = (advantages.abs().sum(0) != 0).cpu()  # CPU indices: they select CPU tensors too (prompt rows)
     short, dropped = -int(keep.sum()) % micro_batches, torch.where(~keep)[0]
     if 0 < short <= len(dropped):
@@ -148,10 +145,9 @@ def training_minibatches(advantages, *, updates: int, micro_batches: int, genera
 
 
 def rank_chunks(minibatch, *, rank: int, world: int, per_rank: int, micro_batch: int, sharded: bool) -> list:
-    """This rank's samples of a mini-batch of sample indices over all ranks (rank r holds r * per_rank, ...):
-    [(local indices, at most `micro_batch`; their weight in the mini-batch's mean, times the world size, as
-    gradients are averaged over ranks)]. Sharded runs (every rank runs the same forwards) add forwards of
-    weight 0 until each rank has as many as the busiest."""
+    """This rank's part of a mini-batch of indices over all ranks (rank r holds r * per_rank, ...): [(local
+    indices, at most `micro_batch`; their weight in the mini-batch's mean times the world size, as gradients
+    are averaged over ranks)]. Sharded runs add weight-0 forwards up to the busiest rank's."""
     local = minibatch[minibatch // per_rank == rank] - rank * per_rank
     chunks = [(c, len(c) * world / len(minibatch)) for c in local.split(micro_batch) if len(c)]
     if sharded:
@@ -197,7 +193,6 @@ def load_pipeline(model: str, device, *, dtype=torch.float32):
     """A FluxPipeline or StableDiffusion3Pipeline from an alias in MODEL_ALIASES, a local directory or a hub
     id: (pipe, "flux" | "sd3"). The text encoders wait on the CPU between encodings (T5-XXL: 9.5 GiB)."""
     from diffusers import DiffusionPipeline, FluxPipeline, StableDiffusion3Pipeline
-
     path = MODEL_ALIASES.get(model, model)
     hub_id = path.count("/") == 1 and not path.startswith((".", "/", "~")) and not os.path.exists(path)
     if model == "toy" and not os.path.isdir(path):
@@ -208,7 +203,6 @@ def load_pipeline(model: str, device, *, dtype=torch.float32):
              f"or one of {sorted(MODEL_ALIASES)}")
     import diffusers.utils.logging
     import transformers.utils.logging
-
     diffusers.utils.logging.disable_progress_bar()  # "Loading pipeline components": the training bar is read
     transformers.utils.logging.disable_progress_bar()  # "Loading weights"
     try:
@@ -218,16 +212,14 @@ def load_pipeline(model: str, device, *, dtype=torch.float32):
             fail(f"model {model!r} is no local directory, and no hub model that could be loaded "
                  f"({type(e).__name__}: offline, or no such model); pass a local pipeline directory")
         fail(f"cannot load model {model!r}: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
-    kinds = [(FluxPipeline, "flux"), (StableDiffusion3Pipeline, "sd3")]
-    kind = next((k for cls, k in kinds if isinstance(pipe, cls)), None)
-    if kind is None:
+    if not isinstance(pipe, (FluxPipeline, StableDiffusion3Pipeline)):
         fail(f"model {model!r} is a {type(pipe).__name__}; only Flux and StableDiffusion3 pipelines work")
     pipe.set_progress_bar_config(disable=True)
     for name in ("vae", "text_encoder", "text_encoder_2", "text_encoder_3", "transformer"):
         module = getattr(pipe, name, None)
         if module is not None:
             module.requires_grad_(False).eval().to("cpu" if name.startswith("text") else device)
-    return pipe, kind
+    return pipe, "flux" if isinstance(pipe, FluxPipeline) else "sd3"
 
 
 def latent_shape(pipe, kind: str, resolution: int) -> tuple:
@@ -298,7 +290,6 @@ def velocity(transformer, kind: str, x, sigma, emb: dict, *, guidance: float):
     guidance embedding (timestep sigma), and SD3's classifier-free guidance (timestep 1000 sigma, [neg;
     pos], a gradient through the conditional half only)."""
     from diffusers import FluxPipeline
-
     NFE["count"] += x.shape[0]
     b, c, h, w = x.shape
     dtype = next(transformer.parameters()).dtype
@@ -307,9 +298,8 @@ def velocity(transformer, kind: str, x, sigma, emb: dict, *, guidance: float):
         packed = FluxPipeline._pack_latents(x.to(dtype), b, c, h, w)
         img_ids = FluxPipeline._prepare_latent_image_ids(b, h // 2, w // 2, x.device, dtype)
         txt_ids = torch.zeros(emb["embeds"].shape[1], 3, device=x.device, dtype=dtype)
-        g = None
-        if transformer.config.guidance_embeds:
-            g = torch.full((b,), guidance, device=x.device, dtype=dtype)
+        distilled = transformer.config.guidance_embeds  # FLUX.1-dev: guidance is an input, not CFG
+        g = torch.full((b,), guidance, device=x.device, dtype=dtype) if distilled else None
         embeds, pooled = emb["embeds"].to(dtype), emb["pooled"].to(dtype)
         out = transformer(hidden_states=packed, timestep=t, guidance=g, encoder_hidden_states=embeds,
                           pooled_projections=pooled, txt_ids=txt_ids, img_ids=img_ids, return_dict=False)[0]
@@ -501,10 +491,8 @@ REWARDS = LEARNED + ["jpeg", "toy_color_position", "toy_shape_count", "toy_stric
 
 
 def import_sibling(name: str):
-    """A module of this project next to common.py ("rewards", "toy.world"); one that was not copied with it is
-    a one-line error that says what to copy."""
+    """A module of this project ("rewards", "toy.world"), or a one-line error saying what to copy."""
     import importlib
-
     try:
         return importlib.import_module(name)
     except ModuleNotFoundError as e:
@@ -516,8 +504,7 @@ def import_sibling(name: str):
 
 
 def check_rewards(names, models: RewardModels):
-    """Unknown reward names, and (rewards.check) reward model files that do not exist, as one-line errors
-    before any model loads."""
+    """Unknown reward names, missing reward model files (rewards.check): one-line errors before loading."""
     for name in names:
         if name not in REWARDS:
             fail(f"unknown reward {name!r}; choose from {REWARDS}")
@@ -554,8 +541,7 @@ def load_rewards(names, device, *, models: RewardModels, dtype=torch.float32) ->
 
 @torch.no_grad()
 def score(rewards: dict, images, prompts) -> dict:
-    """{name: float tensor [B] on the CPU}; a NaN or infinite reward is an error, never silently trained
-    on."""
+    """{name: float tensor [B] on the CPU}; a NaN or infinite reward is an error, never trained on."""
     if not torch.isfinite(images).all():  # not the rewards' fault
         fail("the sampled images are not finite (NaN): sampling diverged; lower --noise-level (or psi), or "
              "--learning-rate if it happened after some updates")
@@ -622,7 +608,6 @@ def parse_args(args_class, *, toy: dict, description: str):
     """The command line parsed by tyro. With --model toy the TOY preset gives the defaults, so flags passed
     explicitly still win and --help shows the preset's values; `--help | head` exits quietly."""
     import tyro
-
     argv = sys.argv[1:]
     given = [b for a, b in zip(argv, argv[1:]) if a == "--model"]
     given += [a[len("--model="):] for a in argv if a.startswith("--model=")]
@@ -693,8 +678,7 @@ def check_ranges(args, ranges: dict):
 
 
 def check_output_path(path: str, *, flag: str, directory: bool):
-    """An output directory that can be made (its nearest existing parent a writable directory), or an output
-    file in a writable directory that exists; a one-line error before any work starts."""
+    """An output directory that can be made, or a file in a writable directory: else a one-line error."""
     if os.path.exists(path) and os.path.isdir(path) != directory:
         kind = "a file" if directory else "a directory"
         fail(f"{flag} {path!r} is {kind}; pass {'a directory' if directory else 'a file path'}")
@@ -706,8 +690,7 @@ def check_output_path(path: str, *, flag: str, directory: bool):
 
 
 def check_common_args(args, world: int):
-    """The checks every algorithm file shares (its own follow in its check_args); nothing here loads a
-    model."""
+    """The checks every algorithm file shares (its own follow in its check_args); no model loads."""
     if args.group_size < 2:
         fail(f"--group-size {args.group_size} is not allowed; GRPO needs at least 2 images per prompt")
     check_ranges(args, ARG_RANGES)
@@ -718,8 +701,7 @@ def check_common_args(args, world: int):
         fail(f"--reward-weights has {len(args.reward_weights)} values for {len(args.rewards)} rewards; give "
              f"one per reward")
     if hasattr(args, "psi_range") and not args.psi_range[0] < args.psi_range[1]:
-        low, high = args.psi_range
-        fail(f"--psi-range {low} {high} is not allowed; give the lower bound first")
+        fail("--psi-range {} {} is not allowed; give the lower bound first".format(*args.psi_range))
     if args.ema and args.full_finetune and world > 1:
         fail("--ema is not supported with sharded full fine-tuning (world size > 1); pass --no-ema")
     check_rewards(args.rewards + args.eval_rewards, args.reward_models)
@@ -816,10 +798,8 @@ def optimizer_step(params: dict, optimizer, *, max_grad_norm: float, sharded: bo
 
 
 def run_directory(args, *, checkpoint: str | None) -> str:
-    """The resumed checkpoint's run, or <output_dir>/<model>__<exp_name>__<seed>__<time> (rank 0's name, made
-    by rank 0)."""
+    """The resumed checkpoint's run, or <output_dir>/<model>__<exp_name>__<seed>__<time> (made by rank 0)."""
     import time
-
     if checkpoint:
         return os.path.dirname(os.path.dirname(checkpoint))
     model_name = os.path.basename(args.model.rstrip("/"))
@@ -831,9 +811,8 @@ def run_directory(args, *, checkpoint: str | None) -> str:
 
 
 def make_writer(run_dir: str, args, *, resume_iteration: int | None = None):
-    """Rank 0's TensorBoard writer (wandb syncing it with --track), the arguments as text. Resuming after
-    iteration N first drops what the killed run logged after N (metrics.jsonl rows, eval_<i>.json,
-    samples/eval_<i>.png, TensorBoard events), so the logs read like an uninterrupted run's."""
+    """Rank 0's TensorBoard writer (wandb syncs it with --track), the arguments as text; resuming after N
+    drops what the killed run logged after N (metrics.jsonl rows, eval_<i>.*, TensorBoard events)."""
     from torch.utils.tensorboard import SummaryWriter
     metrics = os.path.join(run_dir, "metrics.jsonl")
     if resume_iteration is not None and os.path.isfile(metrics):
@@ -1065,10 +1044,9 @@ def load_state(path: str, *, transformer, optimizer, params: dict, sharded: bool
 def evaluate_policy(transformer, *, pipe, kind: str, prompts: list[str], rewards: dict, num_pairs: int,
                     sigmas, guidance: float, max_sequence_length: int, micro_batch: int, shape: tuple,
                     sharded: bool, rank: int, world: int, device, autocast=None, first_seed: int = 10**6):
-    """ODE samples of the fixed held-out pairs 0 .. num_pairs - 1 (pair k: prompt k mod len(prompts), noise
-    seed first_seed + k), this rank's equal, contiguous share (the last ranks repeat the last pair so every
-    rank runs the same forwards), scored by every reward. Returns ({reward: every pair's score in pair order},
-    this rank's images, prompts and scores)."""
+    """ODE samples of fixed held-out pairs 0 .. num_pairs - 1 (pair k: prompt k mod len(prompts), noise seed
+    first_seed + k), this rank's equal share (the last pair repeated so all ranks run the same forwards),
+    scored by every reward. Returns ({reward: all pairs' scores}, this rank's images, prompts and scores)."""
     n = -(-num_pairs // world)
     pairs = [min(k, num_pairs - 1) for k in range(rank * n, (rank + 1) * n)]
     local_prompts = [prompts[k % len(prompts)] for k in pairs]
@@ -1123,9 +1101,8 @@ def paired_change(before: list, after: list) -> tuple[float, float]:
 
 
 def run_summary(run_dir: str, *, args, kind: str, weights: dict, seconds: float) -> str:
-    """What a run did (from metrics.jsonl and eval_<i>.json): each evaluated reward at the first and the last
-    evaluation of the same pairs with the change's paired standard error, time, NFE, the sample grids and the
-    checkpoint (absolute paths), and the lines that load the checkpoint in diffusers."""
+    """What a run did (metrics.jsonl, eval_<i>.json): each reward at the first and last evaluation with the
+    change's paired standard error, time, NFE, sample grids, the checkpoint and how diffusers loads it."""
     rows = [r for r in read_jsonl(os.path.join(run_dir, "metrics.jsonl")) if "perf/nfe_per_iteration" in r]
     nfe = sum(r["perf/nfe_per_iteration"] for r in rows)
     took = f"{seconds:.0f} s" if seconds < 60 else f"{seconds / 60:.1f} min"
