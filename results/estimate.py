@@ -60,6 +60,9 @@ COMMANDS = [
     ("G2RPO, FLUX.1-dev, HPS + CLIP, Lambda {1,2,3} (full FT)", "g2rpo", "--lambdas 1 2 3", 16),
     ("DenseGRPO, SD3.5-M, PickScore, n = t (LoRA)", "densegrpo", "", 8),
     ("DenseGRPO, SD3.5-M, n = 1 (LoRA)", "densegrpo", "--dense-ode-steps 1", 8),
+    ("DiffusionNFT, SD3.5-M, PickScore (LoRA)", "diffusion_nft", "", 8),
+    ("DiffusionNFT, FLUX.1-dev, PickScore (full FT)", "diffusion_nft", "--model flux-dev --guidance 3.5 "
+     "--full-finetune --no-ema", 8),
     ("1 GPU: Flow-GRPO, SD3.5-M (LoRA)", "flow_grpo", "--prompts-per-iteration 2 --eval-num 64", 1),
     ("1 GPU: Flow-GRPO + CoCA, SD3.5-M (LoRA)", "flow_grpo", "--credit coca --prompts-per-iteration 2 "
      "--eval-num 64", 1),
@@ -67,6 +70,9 @@ COMMANDS = [
     ("1 GPU: DanceGRPO, FLUX.1-dev (LoRA)", "dancegrpo", LORA_1GPU, 1),
     ("1 GPU: MixGRPO, FLUX.1-dev (LoRA)", "mixgrpo", LORA_1GPU, 1),
     ("1 GPU: G2RPO, FLUX.1-dev (LoRA)", "g2rpo", "--lambdas 1 2 3 " + LORA_1GPU, 1),
+    ("1 GPU: DiffusionNFT, SD3.5-M (LoRA)", "diffusion_nft", "--prompts-per-iteration 2 --eval-num 64", 1),
+    ("1 GPU: DiffusionNFT, FLUX.1-dev (LoRA)", "diffusion_nft", "--model flux-dev --guidance 3.5 --lora-rank 64 "
+     "--lora-alpha 128 --prompts-per-iteration 1 --eval-num 64 --micro-batch 4", 1),
 ]
 # evaluate.py's evaluation of FLUX.1-dev, modelled with common.evaluate_policy's phases
 EVALUATE = dict(name="evaluate.py, FLUX.1-dev, 720 px, 50 steps, 400 prompts, 8 GPUs", kind="flux",
@@ -473,6 +479,8 @@ def rollout_steps(mod, script: str, args) -> dict:
         last = mod.window_steps(args, 0)[-1]
         steps = last + mod.flash_points(args, last) if args.flash else T
         return {"latents": steps + 1, "log_probs": last + 1 if args.flash else T, "velocities": 0}
+    if script == "diffusion_nft":  # the ODE's latents only
+        return {"latents": T + 1, "log_probs": 0, "velocities": 0}
     velocities = T if keeps_sampler_velocities(script, args) else 0
     return {"latents": T + 1, "log_probs": T, "velocities": velocities}
 
@@ -555,12 +563,14 @@ def estimate(name, script, argv, world, *, tiny=False, undo=(), phases=None):
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         ema = [p.detach().float().clone() for p in params] if args.ema else []
-        resident = [transformer, vae, optimizer, *loaded.values()] + ([ref] if ref is not None else []) + ema
+        old = [p.detach().clone() for p in params] if script == "diffusion_nft" else []  # DiffusionNFT's
+        resident = [transformer, vae, optimizer, *loaded.values()] + ([ref] if ref is not None else []) + ema + old
         trainable = nbytes(*params) if not sharded else nbytes(transformer)
         reward_bytes = sum(nbytes(m) for m in loaded.values())
         out["bytes"] = {"frozen transformer (bf16)": nbytes(transformer) - trainable if not sharded else 0,
                         "trainable (float32)": trainable, "Adam states": nbytes(optimizer),
                         "reference (bf16)": nbytes(ref) if ref is not None else 0, "EMA": nbytes(*ema),
+                        "old policy (float32)": nbytes(*old),
                         "VAE": nbytes(vae), "reward models (bf16 towers)": reward_bytes,
                         "text encoders (on the CPU between encodings)": sum(nbytes(m) for m in texts)}
         out["reward_fp32_bytes"] = sum(4 * sum(p.numel() for p in m.parameters()) for m in loaded.values())
@@ -627,7 +637,10 @@ def estimate(name, script, argv, world, *, tiny=False, undo=(), phases=None):
                     step_buffers += [lat(N), lat(N, bf16)]
                 elif script == "mixgrpo":  # v, x0 = x - sigma v, the solver's x0_prev (Flash: its update too)
                     step_buffers += [lat(N, bf16), lat(N), lat(N)] + ([lat(N), lat(N)] if args.flash else [])
-                common.velocity(transformer, kind, x, sigmas[1], e, guidance=args.guidance)
+                elif script == "diffusion_nft":  # v, x0 and x0_prev of dpm2, under the swapped-in old weights
+                    step_buffers += [lat(N, bf16), lat(N), lat(N)]
+                with common.swapped_in(params, old):
+                    common.velocity(transformer, kind, x, sigmas[1], e, guidance=args.guidance)
                 del step_buffers
         phase("rollout", rollout, *kept)
 
@@ -651,7 +664,28 @@ def estimate(name, script, argv, world, *, tiny=False, undo=(), phases=None):
         # -------- training: one micro-batch forward + backward with the stored rollout (the files' own lines)
         train_rows = mb if script != "g2rpo" else min(args.micro_batch, P)
 
+        def train_nft():  # diffusion_nft.py's lines: old (swapped in), policy, reference, the x0-space loss
+            e, x0, t = common.select(emb, rows[:mb]), lat(mb), 0.5
+            x_t = (1 - t) * x0 + t * lat(mb)
+            with torch.no_grad(), common.swapped_in(params, old):
+                v_old = common.velocity(transformer, kind, x_t, sigmas[1], e, guidance=args.guidance).float()
+            v = common.velocity(transformer, kind, x_t, sigmas[1], e, guidance=args.guidance).float()
+            losses = []
+            for v_implicit in (args.nft_beta * v + (1 - args.nft_beta) * v_old,
+                               (1 + args.nft_beta) * v_old - args.nft_beta * v):
+                x0_hat = x_t - t * v_implicit
+                w = (x0_hat.detach().double() - x0).abs().mean((1, 2, 3), keepdim=True).clip(min=1e-5)
+                losses.append(((x0_hat - x0) ** 2 / w).mean((1, 2, 3)))
+            loss = (0.5 * losses[0] + 0.5 * losses[1]).mean()
+            if beta > 0:
+                with torch.no_grad(), common.as_reference(transformer, ref) as reference:
+                    v_ref = common.velocity(reference, kind, x_t, sigmas[1], e, guidance=args.guidance)
+                loss = loss + beta * ((v - v_ref.float()) ** 2).mean()
+            loss.backward()
+
         def train():
+            if script == "diffusion_nft":
+                return train_nft()
             j = 1  # a trained step: noise > 0
             adv, old_log_probs = torch.ones(mb if script != "g2rpo" else train_rows * G), torch.zeros(mb)
             e = common.select(emb, rows[:train_rows])
