@@ -399,7 +399,9 @@ def shard(model, *, param_dtype=None, mesh=None):
     blocks = MixedPrecisionPolicy(**policy, cast_forward_inputs=False)
     for block in transformer_blocks(model):
         fully_shard(block, mp_policy=blocks, mesh=mesh)
-    fully_shard(model, mp_policy=MixedPrecisionPolicy(**policy), mesh=mesh)
+    # the root reshards after forward too (FSDP2 keeps it gathered by default): weights swapped into the
+    # shards (common.swapped_in: an old policy) reach every forward
+    fully_shard(model, mp_policy=MixedPrecisionPolicy(**policy), mesh=mesh, reshard_after_forward=True)
 
 
 @contextlib.contextmanager

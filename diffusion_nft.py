@@ -240,13 +240,15 @@ if __name__ == "__main__":
     for iteration in pbar:
         t_start = time.time()
         nfe_start = NFE["count"]
-        gen = iteration_generator(args.seed, iteration, rank)
+        gen = iteration_generator(args.seed, iteration, 0)  # every rank draws all ranks' prompts and noise
 
         # ALGO LOGIC: rollout (the old policy's deterministic ODE, without CFG by default)
         train_steps = list(range(n_train))
-        prompts = [train_prompts[i] for i in torch.randint(len(train_prompts), (P,), generator=gen)]
+        prompts = [train_prompts[i] for i in torch.randint(len(train_prompts), (P * world,), generator=gen)]
+        prompts = prompts[rank * P:(rank + 1) * P]  # this rank's: 1 and N processes train the same samples
         group = torch.arange(P).repeat_interleave(G)  # sample -> its prompt
-        x = torch.randn(P, G, C, H, W, generator=gen).reshape(P * G, C, H, W).to(device)
+        x = torch.randn(P * world, G, C, H, W, generator=gen)[rank * P:(rank + 1) * P]
+        x = x.reshape(P * G, C, H, W).to(device)
         latents = [x]
         chunks = torch.arange(P * G).split(args.micro_batch)
         emb = encode_prompts(pipe, kind, prompts, max_sequence_length=args.max_sequence_length,
@@ -283,14 +285,17 @@ if __name__ == "__main__":
                                            micro_batches=micro_batches, generator=same_on_ranks)
         timesteps = torch.rand(P * G * world, T, generator=same_on_ranks).argsort(1)[rank * P * G:][:P * G]
         for u, minibatch in enumerate(minibatches):
+            has_gradient = False
             for j in train_steps:
+                eps = torch.randn(P * G * world, C, H, W, generator=same_on_ranks)[rank * P * G:][:P * G]
                 for c, weight in rank_chunks(minibatch, rank=rank, world=world, per_rank=P * G,
                                              micro_batch=args.micro_batch, sharded=sharded):
+                    has_gradient = has_gradient or weight > 0
                     emb_c = select(emb, group[c])
                     sigma = sigmas[timesteps[c, j]].to(device)
                     t = sigma.view(-1, 1, 1, 1)
                     x0 = latents[T][c]  # the sample
-                    x_t = (1 - t) * x0 + t * torch.randn(x0.shape, generator=gen).to(device)  # fresh noise
+                    x_t = (1 - t) * x0 + t * eps[c].to(device)  # the forward process, fresh noise
                     with torch.no_grad(), amp, swapped_in(weights_now, old):  # before the graph needs them
                         v_old = velocity(transformer, kind, x_t, sigma, emb_c, guidance=args.guidance).float()
                     with amp:
@@ -319,7 +324,7 @@ if __name__ == "__main__":
                     sums["kl"] += kl.detach() * len(c)
                     sums["old_deviation"] += ((v - v_old) ** 2).detach().mean(dims).sum()
             norm = optimizer_step(params, optimizer, max_grad_norm=args.max_grad_norm, sharded=sharded,
-                                  has_gradient=True)
+                                  has_gradient=has_gradient)
             if norm is not None:
                 grad_norms.append(norm)
             n_updates = iteration * args.updates_per_iteration + u + 1  # optimizer steps planned so far

@@ -107,6 +107,38 @@ def test_torchrun_two_processes_and_resume(tiny, tmp_path, full):
     assert m[3]["train/old_decay"] == pytest.approx(0.003) and m[3]["train/updates"] == 1
 
 
+def exported(run, iteration):
+    """Every tensor of a checkpoint's export (LoRA, or the transformer: one file per rank when sharded), by name."""
+    from safetensors.torch import load_file
+
+    out = {}
+    for root, _, files in os.walk(os.path.join(run, "checkpoints", f"iter_{iteration}")):
+        out.update({k: v for f in files if f.endswith(".safetensors") for k, v in load_file(os.path.join(root, f)).items()})
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("full", [False, True], ids=["lora-ddp", "full-fsdp2"])
+def test_one_and_two_processes_take_the_same_steps(tiny, tmp_path, full):
+    """Every rank draws every rank's prompts, noise, mini-batches and timesteps (and each sample its training noise),
+    so 1 process and 2 (LoRA averaging gradients, or FSDP2 sharding) train the same samples and end two iterations
+    with the same weights, up to the order of the float sums."""
+    extra = {"full_finetune": True, "no_ema": True} if full else {}
+    flags = dict(prompts_per_iteration=2, eval_every=0, save_every=0, num_iterations=2, **extra)
+    runs = []
+    for nproc in (1, 2):
+        run_script("diffusion_nft.py", tiny_flags(tiny["flux"], tiny["prompts"], tmp_path / f"n{nproc}", **flags),
+                   nproc=nproc)
+        runs.append(read_metrics(tmp_path / f"n{nproc}"))
+    (one, m1), (two, m2) = runs
+    for key in ("reward/jpeg_mean", "train/policy_loss", "train/kl", "train/grad_norm"):
+        assert m1[2][key] == pytest.approx(m2[2][key], rel=1e-4, abs=1e-8), key
+    a, b = exported(one, 2), exported(two, 2)
+    assert a.keys() == b.keys() and len(a) > 10 and m1[2]["train/updates"] == m2[2]["train/updates"] == 1
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-6)
+
+
 @pytest.mark.parametrize("over,message", [
     ({"nft_beta": 0.0}, "--nft-beta 0.0 is not allowed; use a value > 0"),
     ({"decay_type": 3}, r"--decay-type 3 is not allowed; use a value in \[0, 2\]"),
