@@ -247,8 +247,7 @@ if __name__ == "__main__":
         prompts = [train_prompts[i] for i in torch.randint(len(train_prompts), (P * world,), generator=gen)]
         prompts = prompts[rank * P:(rank + 1) * P]  # this rank's: 1 and N processes train the same samples
         group = torch.arange(P).repeat_interleave(G)  # sample -> its prompt
-        x = torch.randn(P * world, G, C, H, W, generator=gen)[rank * P:(rank + 1) * P]
-        x = x.reshape(P * G, C, H, W).to(device)
+        x = torch.randn(world * P * G, C, H, W, generator=gen)[rank * P * G:][:P * G].to(device)
         latents = [x]
         chunks = torch.arange(P * G).split(args.micro_batch)
         emb = encode_prompts(pipe, kind, prompts, max_sequence_length=args.max_sequence_length,
@@ -277,7 +276,7 @@ if __name__ == "__main__":
         # ALGO LOGIC: policy update (the implicit positive and negative policies on the forward process)
         sums = dict.fromkeys(["terms", "policy_loss", "kl", "old_deviation"], 0.0)
         grad_norms = []
-        # all ranks' samples shuffled into mini-batches alike on every rank; each one's timesteps shuffled
+        # all ranks' samples shuffled into mini-batches alike on every rank, each one's timesteps too
         trained_advantages = torch.ones(1, P * G * world)  # a loss for every sample, even at A = 0
         same_on_ranks = iteration_generator(args.seed, iteration, 0, stream=1)
         micro_batches = -(-trained_advantages.shape[1] // args.micro_batch)  # as many as one process has
