@@ -28,7 +28,7 @@ weights checked untouched (every parameter's float64 sum, and the names); the re
 
 With the device tool (one command; the JSON comes back under files_at):
     run(command="python results/gpu_check.py --out $OUT/gpu_check.json", timeout_s=540)
-Keys: flow_grpo, flow_grpo-coca, densegrpo, dancegrpo, mixgrpo, g2rpo.
+Keys: flow_grpo, flow_grpo-coca, densegrpo, dancegrpo, mixgrpo, g2rpo, diffusion_nft, diffusion_nft-flux.
 
 Time on one H100, from results/estimate.md's seconds per iteration at 40% MFU plus what this script adds:
   compute: Flow-GRPO 22 + Flow-GRPO + CoCA 22 + DenseGRPO 23 (SD3.5-M) + DanceGRPO 44 + MixGRPO 38 +
@@ -68,7 +68,7 @@ PROMPTS = ["a red circle on the left", "a blue square on the top", "a photo of a
 
 
 def key(name: str, script: str, argv: str) -> str:
-    return script + ("-coca" if "--credit coca" in argv else "")
+    return script + ("-coca" if "--credit coca" in argv else "") + ("-flux" if "--model flux-dev" in argv else "")
 
 
 def model_kind(command) -> str:
