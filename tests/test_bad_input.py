@@ -237,7 +237,8 @@ def test_toy_preset_explicit_flags_win(monkeypatch):
     assert parse_args(flow_grpo.Args, toy=flow_grpo.TOY, description="").resolution == 512  # no preset
 
 
-@pytest.mark.parametrize("script", ["flow_grpo.py", "densegrpo.py", "dancegrpo.py", "mixgrpo.py", "g2rpo.py"])
+@pytest.mark.parametrize("script", ["flow_grpo.py", "densegrpo.py", "dancegrpo.py", "mixgrpo.py", "g2rpo.py",
+                                    "awm.py"])
 def test_help(script):
     """--help starts with the file's description, shows each default once, shows the TOY preset's values with
     --model toy, and `--help | head` ends without a BrokenPipeError traceback."""
@@ -250,7 +251,7 @@ def test_help(script):
 
     out = run_script(script, ["--help"]).stdout
     names = {"flow_grpo.py": "Flow-GRPO:", "densegrpo.py": "DenseGRPO:", "dancegrpo.py": "DanceGRPO:",
-             "mixgrpo.py": "MixGRPO:", "g2rpo.py": "G2RPO:"}
+             "mixgrpo.py": "MixGRPO:", "g2rpo.py": "G2RPO:", "awm.py": "AWM (Advantage Weighted Matching):"}
     assert out.splitlines()[2].startswith(names[script])
     tree = ast.parse(open(os.path.join(ROOT, script)).read())
     args = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Args")
@@ -291,7 +292,7 @@ def test_unreadable_reward_weights_are_one_line_errors_before_the_model_loads(tm
         out.stderr[-2000:]
 
 
-ENTRY_POINTS = ["flow_grpo", "densegrpo", "dancegrpo", "g2rpo", "mixgrpo", "evaluate"]
+ENTRY_POINTS = ["flow_grpo", "densegrpo", "dancegrpo", "g2rpo", "mixgrpo", "awm", "evaluate"]
 
 
 def numeric_fields(module):
@@ -348,7 +349,8 @@ def test_every_numeric_argument_is_checked_before_any_model_loads(name, tmp_path
     assert tried > len(fields)
     script = f"{name}.py"
     flags = {"flow_grpo": ["--clip-range", "-1"], "densegrpo": ["--eps2", "nan"], "dancegrpo": ["--shift", "0"],
-             "g2rpo": ["--lambdas", "0"], "mixgrpo": ["--window-stride", "-1"], "evaluate": ["--steps", "0"]}[name]
+             "g2rpo": ["--lambdas", "0"], "mixgrpo": ["--window-stride", "-1"], "awm": ["--ghuber-power", "0"],
+             "evaluate": ["--steps", "0"]}[name]
     proc = run_script(script, ["--model", str(tmp_path / "no-model"), *flags], check=False)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines()[-1].startswith(f"error: {flags[0]} "), proc.stderr[-500:]
