@@ -319,7 +319,7 @@ if __name__ == "__main__":
                     t, eps = float(times[m][j]), torch.randn(x0[c].shape, generator=gen).to(device)
                     x_t = (1 - t) * x0[c] + t * eps
                     if args.ema_beta > 0:  # before the policy's forward: the KL-EMA is swapped in in place
-                        with torch.no_grad(), amp, swapped_in(list(params.values()), kl_ema):
+                        with torch.no_grad(), amp, swapped_in(list(params.values()), kl_ema, transformer):
                             v_ema = velocity(transformer, kind, x_t, t, emb_c, guidance=args.guidance)
                     with amp:
                         v = velocity(transformer, kind, x_t, t, emb_c,

@@ -956,16 +956,21 @@ def ema_update(ema: list, params: list, decay: float, step: int | None):
 
 
 @contextlib.contextmanager
-def swapped_in(params: list, values):
-    """Temporarily load `values` (e.g. the EMA) into `params`; a no-op when values is None."""
+def swapped_in(params: list, values, module=None):
+    """Temporarily load `values` (e.g. the EMA) into `params`; a no-op when values is None. `module`: an FSDP2
+    model of `params`, resharded on entry and exit (its root stays gathered after a forward, with the other
+    values)."""
     values = [] if values is None else values
+    reshard = getattr(module, "reshard", lambda: None) if values else lambda: None
     backup = [p.detach().clone() for p, _ in zip(params, values)]
+    reshard()
     with torch.no_grad():
         for p, v in zip(params, values):
             p.copy_(v)
     try:
         yield
     finally:
+        reshard()
         with torch.no_grad():
             for p, b in zip(params, backup):
                 p.copy_(b)
