@@ -20,6 +20,7 @@ pytestmark = pytest.mark.slow
 # densegrpo (n = t, 4 prompts, 10 iterations): +0.0126 +- 0.0051 (+2.5 SE)
 # flow_grpo (8 prompts, 20 iterations): +0.0096 +- 0.0066 (+1.5 SE); with --credit coca +1.9 SE
 # dancegrpo (8 prompts, 15 iterations): +1.5 SE; mixgrpo (8 prompts, 15 iterations): +2.9 SE
+# awm (8 prompts, 12 iterations, beta 0.04, ema_beta 1, lr 1e-4): +0.0408 +- 0.0078 (+5.2 SE)
 CASES = {  # name: (script, iterations, flags)
     "g2rpo": ("g2rpo.py", 10, ["--lambdas", "1", "2"]),
     "densegrpo": ("densegrpo.py", 10, ["--prompts-per-iteration", "4"]),
@@ -27,6 +28,7 @@ CASES = {  # name: (script, iterations, flags)
     "flow_grpo_coca": ("flow_grpo.py", 20, ["--credit", "coca"]),
     "dancegrpo": ("dancegrpo.py", 15, []),
     "mixgrpo": ("mixgrpo.py", 15, []),
+    "awm": ("awm.py", 12, []),
 }
 
 
