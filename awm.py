@@ -18,11 +18,10 @@ from common import (NFE, TOY_WORLD, RewardModels, check_common_args, combine_adv
                     iteration_generator, latent_shape, load_pipeline, load_prompt_set, load_rewards,
                     load_state, log_metrics, make_trainable, make_writer, max_over_ranks, optimizer_step,
                     parse_args, pipeline_sigmas, resume_checkpoint, run_directory, run_summary,
-                    save_eval_grid, save_state, score, seed_everything, select, setup_distributed,
+                    sa_solver, save_eval_grid, save_state, score, seed_everything, select, setup_distributed,
                     sum_over_ranks, swapped_in, velocities, velocity)
 # algorithm specific
-from common import (as_reference, flow_matching_log_prob, rank_chunks, sa_solver, stratified_indices,
-                    training_minibatches)
+from common import as_reference, flow_matching_log_prob, rank_chunks, stratified_indices, training_minibatches
 
 
 @dataclass
