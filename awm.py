@@ -181,7 +181,6 @@ def planned_nfe(args) -> dict:
             "ema": trained * args.group_size if args.ema_beta > 0 else 0}
 
 
-
 if __name__ == "__main__":
     args = parse_args(Args, toy=TOY, description=__doc__)
     rank, world, device = setup_distributed()
