@@ -2,7 +2,8 @@
 
 0. fail: a one-line error instead of a traceback
 1. Math (torch only): shifted_sigmas, strided_indices, spaced_indices, gaussian_log_prob, sde_mean_std,
-   sde_step, ode_step, dpm2_step, group_advantages, combine_advantages, training_minibatches, rank_chunks,
+   sde_step, ode_step, dpm2_step, sa_solver_update, sa_solver, flow_matching_log_prob,
+   stratified_indices, group_advantages, combine_advantages, training_minibatches, rank_chunks,
    coca_credit
 2. Model: load_pipeline, latent_shape, pipeline_sigmas, encode_prompts, select, velocity (NFE), velocities,
    ode_complete, decode, make_trainable, shard, gathered, as_reference
@@ -108,6 +109,82 @@ def dpm2_step(v, x, sigmas, i: int, *, x0_prev=None):
     h, r0 = lam[2] - lam[1], (lam[1] - lam[0]) / (lam[2] - lam[1])
     d = x0 + 0.5 * (x0 - x0_prev) / r0  # D0 + D1 / 2
     return t / s * x - (1 - t) * math.expm1(-h) * d, x0
+
+
+def sa_solver_update(x, x0s, times, t: float, tau: float, noise, *, corrector: bool = False):
+    """One SA-Solver update (Xue et al., 2023; AWM's sa_solver.py, data prediction, the few-step order-2
+    term) from times[-1] = s to t of flow matching (alpha = 1 - t, sigma = t, lambda = log(alpha / sigma)):
+    x0s are the data predictions, newest first, at times[-1], times[-2], ... (corrector: at t, then
+    times[-1], ...), order len(x0s) <= 2; tau the stochasticity (0: an ODE step, `noise` unused)."""
+    lam = lambda u: math.log((1 - u) / u)  # noqa: E731
+    s, k = float(times[-1]), 1 + tau**2
+    ls, lt = lam(s), lam(float(t))
+    h = lt - ls
+    e0 = math.exp(k * lt) * (1 - math.exp(-k * h)) / k  # int_ls^lt e^{k l} dl, and l e^{k l} below
+    coefs = [e0]
+    if len(x0s) == 2:
+        e1 = math.exp(k * lt) * ((k * lt - 1) - (k * ls - 1) * math.exp(-k * h)) / k**2
+        l0, l1 = (lt, ls) if corrector else (ls, lam(float(times[-2])))  # the interpolation nodes
+        coefs = [(e1 - l1 * e0) / (l0 - l1), (e1 - l0 * e0) / (l1 - l0)]
+        extra = h / 2 - (h * k - 1 + math.exp(-k * h)) / (k**2 * h) if corrector else \
+            (h**2 / 2 - (h * k - 1 + math.exp(-k * h)) / k**2) / (l0 - l1)
+        coefs = [coefs[0] + math.exp(k * lt) * extra, coefs[1] - math.exp(k * lt) * extra]
+    out = math.exp(-tau**2 * h) * (float(t) / s) * x.float()
+    for c, x0 in zip(coefs, x0s):
+        out = out + k * float(t) * math.exp(-tau**2 * lt) * c * x0.float()
+    if tau > 0:
+        out = out + float(t) * math.sqrt(1 - math.exp(-2 * tau**2 * h)) * noise.float()
+    return out
+
+
+def sa_solver(velocity_fn, x, sigmas, *, noise_level: float = 0.0, generator=None):
+    """AWM's rollout sampler (sd3_pipeline_with_logprob.py) on a schedule sigmas[0] = 1, ..., 0: the grid
+    with times[-2] = times[-3] / 2 and times[0] = 1 - 1e-3, SA-Solver with data prediction x0 = x - t v,
+    predictor order 2 (1 at the first step), corrector order 2 (none at the first step), PEC (the corrected
+    point is not re-evaluated), stochasticity tau = noise_level on the steps to 0.3 <= t <= 0.9 (0: an ODE),
+    and a last step to 0 that returns the newest x0 without a model call: len(sigmas) - 1 evaluations."""
+    times = sigmas.clone()
+    if len(times) > 2:
+        times[-2] = times[-3] / 2
+    times[0] = 1 - 1e-3
+    tau = lambda t: noise_level if 0.3 <= t <= 0.9 else 0.0  # noqa: E731
+    ts, x = [float(times[0])], x.float()
+    x0s = [x - ts[0] * velocity_fn(x, times[0]).float()]  # newest last
+    for k in range(1, len(times) - 1):
+        t = float(times[k])
+        noise = None
+        if tau(t) > 0:
+            where = generator.device if generator else x.device
+            noise = torch.randn(x.shape, generator=generator, device=where).to(x.device)
+        x_p = sa_solver_update(x, x0s[::-1][:2], ts, t, tau(t), noise)  # predict
+        x0s.append(x_p - t * velocity_fn(x_p, times[k]).float())  # evaluate
+        x = sa_solver_update(x, x0s[::-1][:2], ts, t, tau(t), noise, corrector=True) if k > 1 else x_p
+        ts, x0s = (ts + [t])[-2:], x0s[-2:]
+    return x0s[-1]  # denoise to zero
+
+
+def flow_matching_log_prob(mse, t, weighting: str, power: float = 0.25):
+    """AWM's surrogate log-prob (train_sd3_awm.py, compute_log_prob_awm) of a flow-matching error mse =
+    mean (v - (eps - x0))^2 at time t: "ghuber" -((mse + 1e-10)^p - 1e-10^p) t / p, "huber" -(sqrt(mse +
+    1e-10) - 1e-5) t, "Uniform" -mse, "t" -mse t, "t**2" -mse t^2."""
+    if weighting == "ghuber":
+        return -((mse + 1e-10) ** power - 1e-10**power) * t / power
+    if weighting == "huber":
+        return -(torch.sqrt(mse + 1e-10) - 1e-5) * t
+    if weighting not in ("Uniform", "t", "t**2"):
+        fail(f"weighting {weighting!r} is not known; use ghuber, huber, Uniform, t or t**2")
+    return -mse * {"Uniform": 1.0, "t": t, "t**2": t**2}[weighting]
+
+
+def stratified_indices(end: int, k: int, n: int, *, kind: str = "discrete", generator=None):
+    """AWM's trained schedule indices (train_sd3_awm.py, time_type discrete*), n draws [n, k] long: one
+    uniform index in each of the k strata [b_j, b_j+1) of b = linspace(start, end, k + 1) in float32,
+    truncated to integers; "discrete" starts at 0, "discrete_wo_init" at 1, "discrete_with_init" is index 0,
+    then k - 1 strata from 1."""
+    first, start = int(kind == "discrete_with_init"), int(kind != "discrete")
+    bounds = torch.linspace(start, end, k - first + 1).long()
+    u = torch.rand(n, k - first, generator=generator)
+    return torch.cat([torch.zeros(n, first, dtype=torch.long), bounds[:-1] + (u * bounds.diff()).long()], 1)
 
 
 def group_advantages(rewards, *, eps: float, unbiased: bool, global_std: bool = False):
@@ -651,6 +728,8 @@ ARG_RANGES = {
     "psi_range": "[0, 10]", "sde_steps": ">= 0", "lambdas": ">= 1", "window_size": ">= 1",
     "window_stride": ">= 0", "window_shift_interval": ">= 1", "flash_compress": "(0, 1]",
     "nft_beta": "> 0", "decay_type": "[0, 2]",  # DiffusionNFT
+    "train_timesteps": ">= 1", "advantage_max": "> 0", "ghuber_power": "> 0", "ema_beta": ">= 0",  # AWM
+    "kl_ema_decay": "[0, 1]",
     # evaluate.py
     "num_prompts": ">= 1", "seeds_per_prompt": ">= 1", "steps": ">= 1",
 }
@@ -866,16 +945,18 @@ def iteration_of(name: str) -> int | None:
 
 
 @torch.no_grad()
-def ema_update(ema: list, params: list, decay: float, step: int):
-    """Flow-GRPO's EMA (with warm-up) of the weights: decay min((1 + s) / (10 + s), decay) after s steps."""
-    decay = min((1 + step) / (10 + step), decay)
+def ema_update(ema: list, params: list, decay: float, step: int, *, warmup: bool = True):
+    """Flow-GRPO's EMA of the weights: decay min((1 + s) / (10 + s), decay) after s steps (without `warmup`:
+    `decay` itself; DiffusionNFT's old policy, AWM's KL-EMA)."""
+    decay = min((1 + step) / (10 + step), decay) if warmup else decay
     for e, p in zip(ema, params):
         e.mul_(decay).add_(p.detach().float(), alpha=1 - decay)
 
 
 @contextlib.contextmanager
 def swapped_in(params: list, values):
-    """Temporarily load `values` (e.g. the EMA) into `params`; a no-op when values is None."""
+    """Temporarily load `values` (e.g. the EMA) into `params`; a no-op when values is None. Sharded: the FSDP2
+    root reshards after every forward (common.shard), so the next forward gathers the swapped-in shards."""
     values = [] if values is None else values
     backup = [p.detach().clone() for p, _ in zip(params, values)]
     with torch.no_grad():

@@ -332,8 +332,7 @@ if __name__ == "__main__":
         # the old policy follows after the iteration: old <- d old + (1 - d) current (return_decay)
         steps = (iteration + 1) * args.updates_per_iteration
         decay = [0.0, min(0.001 * steps, 0.5), 0.0 if steps < 75 else min(0.0075 * (steps - 75), 0.999)]
-        for o, p in zip(old, weights_now):
-            o.lerp_(p.detach(), 1 - decay[args.decay_type])
+        ema_update(old, weights_now, decay[args.decay_type], steps, warmup=False)
 
         # TRY NOT TO MODIFY: logging, evaluation, checkpoints
         nfe = NFE["count"] - nfe_start

@@ -63,6 +63,8 @@ COMMANDS = [
     ("DiffusionNFT, SD3.5-M, PickScore (LoRA)", "diffusion_nft", "", 8),
     ("DiffusionNFT, FLUX.1-dev, PickScore (full FT)", "diffusion_nft", "--model flux-dev --guidance 3.5 "
      "--full-finetune --no-ema", 8),
+    ("AWM, SD3.5-M, PickScore (LoRA)", "awm", "", 8),
+    ("AWM, FLUX.1-dev, PickScore (LoRA)", "awm", "--model flux-dev --eval-steps 28 --guidance 3.5", 8),
     ("1 GPU: Flow-GRPO, SD3.5-M (LoRA)", "flow_grpo", "--prompts-per-iteration 2 --eval-num 64", 1),
     ("1 GPU: Flow-GRPO + CoCA, SD3.5-M (LoRA)", "flow_grpo", "--credit coca --prompts-per-iteration 2 "
      "--eval-num 64", 1),
@@ -73,6 +75,7 @@ COMMANDS = [
     ("1 GPU: DiffusionNFT, SD3.5-M (LoRA)", "diffusion_nft", "--prompts-per-iteration 2 --eval-num 64", 1),
     ("1 GPU: DiffusionNFT, FLUX.1-dev (LoRA)", "diffusion_nft", "--model flux-dev --guidance 3.5 --lora-rank 64 "
      "--lora-alpha 128 --prompts-per-iteration 1 --eval-num 64 --micro-batch 4", 1),
+    ("1 GPU: AWM, SD3.5-M (LoRA)", "awm", "--prompts-per-iteration 1 --eval-num 64", 1),
 ]
 # evaluate.py's evaluation of FLUX.1-dev, modelled with common.evaluate_policy's phases
 EVALUATE = dict(name="evaluate.py, FLUX.1-dev, 720 px, 50 steps, 400 prompts, 8 GPUs", kind="flux",
@@ -475,6 +478,8 @@ def keeps_sampler_velocities(script: str, args) -> bool:
 def rollout_steps(mod, script: str, args) -> dict:
     """What the file's rollout stores: latents (incl. the noise), log-prob steps, sampler velocity steps."""
     T = args.num_steps
+    if script == "awm":  # SA-Solver's state: x, the predictor's x_p, two data predictions (float32)
+        return {"latents": 4, "log_probs": 0, "velocities": 0}
     if script == "mixgrpo":  # the ODE outside the window; Flash: fewer DPM-Solver++ steps after it
         last = mod.window_steps(args, 0)[-1]
         steps = last + mod.flash_points(args, last) if args.flash else T
@@ -564,6 +569,8 @@ def estimate(name, script, argv, world, *, tiny=False, undo=(), phases=None):
         optimizer.zero_grad(set_to_none=True)
         ema = [p.detach().float().clone() for p in params] if args.ema else []
         old = [p.detach().clone() for p in params] if script == "diffusion_nft" else []  # DiffusionNFT's
+        kl_ema = [p.detach().clone() for p in params] if script == "awm" else []  # AWM's KL-EMA weights
+        ema += kl_ema
         resident = [transformer, vae, optimizer, *loaded.values()] + ([ref] if ref is not None else []) + ema + old
         trainable = nbytes(*params) if not sharded else nbytes(transformer)
         reward_bytes = sum(nbytes(m) for m in loaded.values())
@@ -690,6 +697,22 @@ def estimate(name, script, argv, world, *, tiny=False, undo=(), phases=None):
             adv, old_log_probs = torch.ones(mb if script != "g2rpo" else train_rows * G), torch.zeros(mb)
             e = common.select(emb, rows[:train_rows])
             xt = lat(train_rows)
+            if script == "awm":  # awm.py's lines: the KL-EMA's forward (swapped in), the policy's, the reference's
+                t, eps = 0.5, lat(train_rows)
+                x_t = (1 - t) * xt + t * eps
+                with torch.no_grad(), common.swapped_in(params, kl_ema):
+                    v_ema = common.velocity(transformer, kind, x_t, t, e, guidance=args.guidance)
+                v = common.velocity(transformer, kind, x_t, t, e, guidance=args.guidance)
+                mse = ((v.double() - (eps - xt).double()) ** 2).mean(dim=(1, 2, 3))
+                log_prob = common.flow_matching_log_prob(mse, t, args.weighting, args.ghuber_power)
+                ratio = torch.exp(log_prob - log_prob.detach())
+                policy_loss = torch.max(-adv * ratio, -adv * ratio.clamp(1 - args.clip_range, 1 + args.clip_range))
+                with torch.no_grad(), common.as_reference(transformer, ref) as reference:
+                    v_ref = common.velocity(reference, kind, x_t, t, e, guidance=args.guidance)
+                loss = (policy_loss.mean() + beta * ((v.double() - v_ref.double()) ** 2).mean()
+                        + args.ema_beta * ((v.double() - v_ema.double()) ** 2).mean())
+                (loss / 4).backward()
+                return
             v = common.velocity(transformer, kind, xt, sigmas[j], e, guidance=args.guidance)
             if script == "g2rpo":  # each member reuses its prompt's v(x_k)
                 members = torch.zeros(train_rows * G, dtype=torch.long)

@@ -28,7 +28,8 @@ weights checked untouched (every parameter's float64 sum, and the names); the re
 
 With the device tool (one command; the JSON comes back under files_at):
     run(command="python results/gpu_check.py --out $OUT/gpu_check.json", timeout_s=540)
-Keys: flow_grpo, flow_grpo-coca, densegrpo, dancegrpo, mixgrpo, g2rpo, diffusion_nft, diffusion_nft-flux.
+Keys: flow_grpo, flow_grpo-coca, densegrpo, dancegrpo, mixgrpo, g2rpo, diffusion_nft, diffusion_nft-flux,
+awm.
 
 Time on one H100, from results/estimate.md's seconds per iteration at 40% MFU plus what this script adds:
   compute: Flow-GRPO 22 + Flow-GRPO + CoCA 22 + DenseGRPO 23 (SD3.5-M) + DanceGRPO 44 + MixGRPO 38 +

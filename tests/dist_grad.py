@@ -1,9 +1,12 @@
 """The gradient of the PPO-clip + KL loss through common.velocity on a fixed batch of 4, on tiny Flux, and the
 weights after one common.optimizer_step (AdamW, norm clipping) with it.
 
-    python tests/dist_grad.py OUT.pt [--checkpointing] [--bf16] [--lora]     # one process, the whole batch
+    python tests/dist_grad.py OUT.pt [--checkpointing] [--bf16] [--lora] [--awm]  # one process, the whole batch
     torchrun --nproc_per_node 2 tests/dist_grad.py OUT.pt [...]              # each rank half of the batch: FSDP2
                                                                              # (full fine-tuning) or DDP-style LoRA
+
+--awm: awm.py's loss instead (the PPO-clipped ratio of flow-matching log-probs, the KL to the reference and to a
+KL-EMA weight set swapped in with common.swapped_in: DTensor shards under FSDP2).
 
 Writes {"grads": {name: full gradient}, "before" / "updated": {name: trainable weight before / after the step}}
 (rank 0);
@@ -16,8 +19,8 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "toy")]
-from common import (as_reference, make_trainable, optimizer_step, sde_mean_std, sde_step, select,  # noqa: E402
-                    setup_distributed, shifted_sigmas, velocity)
+from common import (as_reference, flow_matching_log_prob, make_trainable, optimizer_step, sde_mean_std,  # noqa: E402
+                    sde_step, select, setup_distributed, shifted_sigmas, swapped_in, velocity)
 from tiny import build_flux  # noqa: E402
 
 if __name__ == "__main__":
@@ -48,16 +51,32 @@ if __name__ == "__main__":
     emb = {"embeds": torch.randn(n, 16, 32, generator=g), "pooled": torch.randn(n, 32, generator=g)}
     advantages, sigmas = torch.randn(n, generator=g), shifted_sigmas(4, shift=3.0)
     rows = torch.arange(rank * n // world, (rank + 1) * n // world)  # this rank's half (or all of it)
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp is not None and world == 1):
-        v = velocity(transformer, "flux", x[rows], sigmas[1], select(emb, rows), guidance=3.5)
-    _, log_prob, mean, std = sde_step(v, x[rows], sigmas, 1, 0.7, prev_sample=x_next[rows])
-    # the files' loss: the PPO-clipped ratio and the official KL of the step means
-    with torch.no_grad(), as_reference(transformer, ref) as reference:
-        v_ref = velocity(reference, "flux", x[rows], sigmas[1], select(emb, rows), guidance=3.5)
-    mean_ref, _, _ = sde_mean_std(v_ref, x[rows], sigmas, 1, 0.7)
-    kl = ((mean - mean_ref) ** 2).mean(dim=(1, 2, 3)).mean() / (2 * std**2 / float(sigmas[1] - sigmas[2]))
-    ratio, adv = torch.exp(log_prob - log_prob.detach()), advantages[rows]
-    loss = torch.max(-adv * ratio, -adv * ratio.clamp(1 - 1e-4, 1 + 1e-4)).mean() + 0.04 * kl
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp is not None and world == 1)
+    if "--awm" in sys.argv:  # awm.py's order: the KL-EMA's forward (weights swapped in place) before the policy's
+        kl_ema = [p.detach().clone().mul_(0.9) for p in params.values()]
+        t, x0, eps = 0.6, x[rows], x_next[rows]
+        x_t, e = (1 - t) * x0 + t * eps, select(emb, rows)
+        with torch.no_grad(), autocast, swapped_in(list(params.values()), kl_ema):
+            v_ema = velocity(transformer, "flux", x_t, t, e, guidance=3.5)
+        with autocast:
+            v = velocity(transformer, "flux", x_t, t, e, guidance=3.5).double()
+        log_prob = flow_matching_log_prob(((v - (eps - x0).double()) ** 2).mean(dim=(1, 2, 3)), t, "ghuber")
+        with torch.no_grad(), as_reference(transformer, ref) as reference:
+            v_ref = velocity(reference, "flux", x_t, t, e, guidance=3.5)
+        ratio, adv = torch.exp(log_prob - log_prob.detach()), advantages[rows]
+        loss = (torch.max(-adv * ratio, -adv * ratio.clamp(0, 2)).mean() + 0.04 * ((v - v_ref.double()) ** 2).mean()
+                + ((v - v_ema.double()) ** 2).mean())
+    else:
+        with autocast:
+            v = velocity(transformer, "flux", x[rows], sigmas[1], select(emb, rows), guidance=3.5)
+        _, log_prob, mean, std = sde_step(v, x[rows], sigmas, 1, 0.7, prev_sample=x_next[rows])
+        # the files' loss: the PPO-clipped ratio and the official KL of the step means
+        with torch.no_grad(), as_reference(transformer, ref) as reference:
+            v_ref = velocity(reference, "flux", x[rows], sigmas[1], select(emb, rows), guidance=3.5)
+        mean_ref, _, _ = sde_mean_std(v_ref, x[rows], sigmas, 1, 0.7)
+        kl = ((mean - mean_ref) ** 2).mean(dim=(1, 2, 3)).mean() / (2 * std**2 / float(sigmas[1] - sigmas[2]))
+        ratio, adv = torch.exp(log_prob - log_prob.detach()), advantages[rows]
+        loss = torch.max(-adv * ratio, -adv * ratio.clamp(1 - 1e-4, 1 + 1e-4)).mean() + 0.04 * kl
     loss.backward()  # FSDP2 averages the ranks' gradients: the mean over the whole batch
     full = lambda t: (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().float().clone()  # noqa: E731
     grads = {name: full(p.grad) for name, p in params.items()}  # before the step averages LoRA's over ranks

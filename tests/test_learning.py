@@ -21,6 +21,7 @@ pytestmark = pytest.mark.slow
 # flow_grpo (8 prompts, 20 iterations): +0.0096 +- 0.0066 (+1.5 SE); with --credit coca +1.9 SE
 # dancegrpo (8 prompts, 15 iterations): +1.5 SE; mixgrpo (8 prompts, 15 iterations): +2.9 SE
 # diffusion_nft (8 prompts, 10 iterations, half of the 16 timesteps per sample): +0.0375 +- 0.0072 (+5.2 SE)
+# awm (8 prompts, 12 iterations, beta 0.04, ema_beta 1, lr 1e-4): +0.0408 +- 0.0078 (+5.2 SE)
 CASES = {  # name: (script, iterations, flags)
     "g2rpo": ("g2rpo.py", 10, ["--lambdas", "1", "2"]),
     "densegrpo": ("densegrpo.py", 10, ["--prompts-per-iteration", "4"]),
@@ -29,6 +30,7 @@ CASES = {  # name: (script, iterations, flags)
     "dancegrpo": ("dancegrpo.py", 15, []),
     "mixgrpo": ("mixgrpo.py", 15, []),
     "diffusion_nft": ("diffusion_nft.py", 10, []),
+    "awm": ("awm.py", 12, []),
 }
 
 

@@ -81,10 +81,12 @@ def test_fsdp2_gradient_equals_the_full_batch_gradient(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", [[], ["--lora"]], ids=["fsdp2", "lora-ddp"])
+@pytest.mark.parametrize("mode", [[], ["--lora"], ["--awm"], ["--lora", "--awm"]],
+                         ids=["fsdp2", "lora-ddp", "awm-fsdp2", "awm-lora-ddp"])
 def test_one_optimizer_step_is_the_same_on_one_and_two_processes(tmp_path, mode):
     """The same batch, split over 2 ranks, gives the same weights after common.optimizer_step (gradient averaging,
-    norm clipping, AdamW) as one process with all of it: FSDP2 full fine-tuning and DDP-style LoRA."""
+    norm clipping, AdamW) as one process with all of it: FSDP2 full fine-tuning and DDP-style LoRA; Flow-GRPO's loss and
+    AWM's (whose KL-EMA forward swaps a weight set into the FSDP2 shards)."""
     (start, one), (start2, two) = updated(tmp_path, "one", 1, *mode), updated(tmp_path, "two", 2, *mode)
     assert one.keys() == two.keys() == start.keys() and len(one) > 0
     assert all(torch.equal(start[k], start2[k]) for k in start)

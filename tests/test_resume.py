@@ -25,6 +25,7 @@ CASES = {  # name: (script, flags on top of tiny_flags at T = 4)
     "mixgrpo_flash": ("mixgrpo.py", {"flash": True, "window_size": 2, "window_shift_interval": 3,
                                      "updates_per_iteration": 1}),
     "diffusion_nft": ("diffusion_nft.py", {}),  # the old policy is part of the state
+    "awm": ("awm.py", {"train_timesteps": 2}),  # its KL-EMA weight set is in the checkpoint too
 }
 
 
