@@ -238,9 +238,9 @@ def score_pairs(transformer, *, pipe, kind: str, emb: dict, noise, prompts: list
     paths = [list(range(len(sigmas)))] * len(noise)
     x0 = ode_complete(transformer, kind, noise.to(device), paths, sigmas, emb, guidance=guidance,
                       micro_batch=micro_batch)
-    parts = [score(rewards, decode(pipe, x0[c]), [prompts[i] for i in c.tolist()])
+    parts = [score(rewards, decode(pipe, x0[c]), [prompts[i] for i in c.tolist()], evaluation=True)
              for c in torch.arange(len(x0)).split(micro_batch)]
-    local = {k: torch.cat([p[k] for p in parts]) for k in rewards}
+    local = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
     return {k: gather_cat(v.to(device)).cpu()[:num_pairs] for k, v in local.items()}
 
 
@@ -268,11 +268,12 @@ def table(args, entries: list[dict], scores: list[dict], *, num_prompts: int, ki
             f"{args.guidance}, {args.resolution} px, {args.max_sequence_length} tokens, seed {args.seed}. "
             f"Each metric: mean +- standard error over the pairs; change: the paired difference from {first} "
             f"on the same pairs +- its paired standard error.\n")
-    columns = ["entry", "iteration"] + [c for m in args.metrics for c in (m, f"{m} change")]
+    metrics = list(scores[0])  # --metrics, and GenEval's accuracies (per tag)
+    columns = ["entry", "iteration"] + [c for m in metrics for c in (m, f"{m} change")]
     lines = [head, "| " + " | ".join(columns) + " |", "|---" * len(columns) + "|"]
     for i, (entry, s) in enumerate(zip(entries, scores)):
         cells = []
-        for m in args.metrics:
+        for m in metrics:
             d, se = paired_change(scores[0][m], s[m]) if i else (math.nan, math.nan)
             change = f"{d:+.{decimals(se)}f} +- {se:.{decimals(se)}f}" if i else "(reference)"
             cells += [mean_se(s[m]), change]
@@ -316,6 +317,9 @@ if __name__ == "__main__":
             transformer, pipe=pipe, kind=kind, emb=emb, noise=noise, prompts=prompts, rewards=rewards,
             sigmas=sigmas, guidance=args.guidance, micro_batch=args.micro_batch, num_pairs=len(pairs),
             device=device))
+        for fn in rewards.values():
+            if hasattr(fn, "breakdown"):  # GenEval's accuracies per tag
+                all_scores[-1].update(fn.breakdown(all_scores[-1], [p for p, _ in pairs]))
         if entry["weights"] == "lora":
             pipe.unload_lora_weights()
         elif entry["weights"] == "transformer":
