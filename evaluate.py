@@ -19,12 +19,13 @@ G2RPO, Table 1 (400 HPDv2 test prompts, FLUX.1-dev; HPS-v2.1, CLIP, PickScore, I
         --out results/g2rpo_table1
 
 DenseGRPO, DrawBench (its 200 prompts, one per line; SD3.5-M at Flow-GRPO's and DenseGRPO's 512 px, 40
-steps, guidance 4.5, 128 tokens; PickScore, aesthetic, ImageReward, UnifiedReward; its DeQA column is not
-included: this project has no port of the DeQA-Score model):
+steps, guidance 4.5, 128 tokens; PickScore, aesthetic, ImageReward, UnifiedReward, DeQA-Score from Flow-GRPO's
+reward server; README: GenEval, OCR and DeQA-Score has the task metrics' commands):
     torchrun --nproc_per_node 8 evaluate.py --model sd3.5-medium --checkpoints runs/<densegrpo run> \\
         --prompts data/drawbench/test.txt --resolution 512 --steps 40 --guidance 4.5 \\
         --max-sequence-length 128 \\
-        --metrics pickscore aesthetic imagereward unifiedreward --unifiedreward-url http://127.0.0.1:17140 \\
+        --metrics pickscore aesthetic imagereward unifiedreward deqa \\
+        --unifiedreward-url http://127.0.0.1:17140 \\
         --out results/densegrpo_drawbench
 
 The toy world (base model against a toy run's newest checkpoint, 64 prompts x 4 seeds):
@@ -66,7 +67,7 @@ class Args:
 
     # Metrics
     metrics: tuple[str, ...] = ("hps", "clip", "pickscore", "imagereward", "unifiedreward")
-    """rewards: hps, clip, pickscore, imagereward, aesthetic, unifiedreward, jpeg, toy_* (G2RPO's Table 1)"""
+    """rewards: hps, clip, pickscore, imagereward, aesthetic, unifiedreward, ocr, geneval, deqa, jpeg, toy"""
     reward_models: tyro.conf.OmitArgPrefixes[RewardModels] = field(default_factory=RewardModels)
     """where each reward model's weights come from"""
 
