@@ -39,7 +39,7 @@ def check(name: str, models):
     exist, or UnifiedReward without a server, is a one-line error before any model loads."""
     if name == "unifiedreward" and not models.unifiedreward_url:
         fail("the unifiedreward reward needs --unifiedreward-url, the address of a server that serves it")
-    url = {"geneval": models.geneval_url, "deqa": models.deqa_url}.get(name)
+    url = getattr(models, f"{name}_url") if name in ("geneval", "deqa") else None
     if url is not None and not url.startswith(("http://", "https://")):
         fail(f"--{name}-url {url!r} is not an http:// address of the reward server")
     if name == "ocr":
