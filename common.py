@@ -551,6 +551,10 @@ class RewardModels:
     """UnifiedReward: the model name that server serves"""
     unifiedreward_api_key: str | None = None
     """UnifiedReward: the server's --api-key, if it has one (none: $UNIFIEDREWARD_API_KEY); never logged"""
+    geneval_url: str = "http://127.0.0.1:18085"
+    """GenEval: Flow-GRPO's reward server (github.com/yifan123/reward-server, app_geneval)"""
+    deqa_url: str = "http://127.0.0.1:18086"
+    """DeQA-Score: the same reward server (app_deqa)"""
 
 
 SECRETS = ("unifiedreward_api_key",)  # RewardModels fields never written to a log, a checkpoint or the screen
@@ -565,7 +569,8 @@ def loggable(args) -> dict:
     return config
 
 
-LEARNED = ["hps", "clip", "pickscore", "imagereward", "aesthetic", "unifiedreward"]  # rewards.py's models
+LEARNED = ["hps", "clip", "pickscore", "imagereward", "aesthetic", "unifiedreward", "ocr", "geneval",
+           "deqa"]  # rewards.py's models and clients
 REWARDS = LEARNED + ["jpeg", "toy_color_position", "toy_shape_count", "toy_strict"]
 
 
@@ -619,24 +624,42 @@ def load_rewards(names, device, *, models: RewardModels, dtype=torch.float32) ->
 
 
 @torch.no_grad()
-def score(rewards: dict, images, prompts) -> dict:
-    """{name: float tensor [B] on the CPU}; a NaN or infinite reward is an error, never trained on."""
+def score(rewards: dict, images, prompts, *, evaluation: bool = False) -> dict:
+    """{name: float tensor [B] on the CPU}; a NaN or infinite reward is an error, never trained on. With
+    `evaluation`, a reward with fn.evaluation (GenEval) is called so and may add metrics: {name: [B], ...}."""
     if not torch.isfinite(images).all():  # not the rewards' fault
         fail("the sampled images are not finite (NaN): sampling diverged; lower --noise-level (or psi), or "
              "--learning-rate if it happened after some updates")
     out = {}
     for name, fn in rewards.items():
-        r = fn(images, prompts).float().cpu()
-        if not torch.isfinite(r).all():
-            fail(f"reward {name!r} returned non-finite values {r[~torch.isfinite(r)][:4].tolist()}")
-        out[name] = r
+        r = fn(images, prompts, evaluation=True) if evaluation and getattr(fn, "evaluation", 0) else \
+            fn(images, prompts)
+        for key, r in (r if isinstance(r, dict) else {name: r}).items():
+            r = r.float().cpu()
+            if not torch.isfinite(r).all():
+                fail(f"reward {key!r} returned non-finite values {r[~torch.isfinite(r)][:4].tolist()}")
+            out[key] = r
     return out
+
+
+class Prompt(str):
+    """A prompt of a .jsonl file: the text, with its line's JSON object as .metadata (GenEval's tag, include,
+    exclude), which indexing, grouping and sharding keep; rewards.py reads it."""
+
+    def __new__(cls, text: str, metadata: dict):
+        prompt = super().__new__(cls, text)
+        prompt.metadata = metadata
+        return prompt
+
+    def __reduce__(self):
+        return Prompt, (str(self), self.metadata)
 
 
 def load_prompt_set(path: str, *, split: str = "train", rewards=()) -> list[str]:
     """Prompts from a text file, one per line (blank lines skipped), a .jsonl file with a "prompt" field per
-    line (Flow-GRPO's GenEval metadata), or 'toy': the toy world's grammar. If `rewards` name a toy reward,
-    every prompt must be in its grammar (checked here, before any model loads)."""
+    line (Flow-GRPO's GenEval metadata; each a Prompt), or 'toy': the toy world's grammar. If `rewards` name a
+    toy reward, every prompt must be in its grammar; ocr and geneval: rewards.check_prompts (checked here,
+    before any model loads)."""
     if path == "toy":
         toy_prompts = import_sibling("toy.world").toy_prompts
         return toy_prompts(4096 if split == "train" else 1024, seed=0 if split == "train" else 1)
@@ -657,12 +680,15 @@ def load_prompt_set(path: str, *, split: str = "train", rewards=()) -> list[str]
         prompts = []
         for n, line in lines:
             try:
-                prompts.append(json.loads(line)["prompt"])
+                row = json.loads(line)
+                prompts.append(Prompt(row["prompt"], row))
             except (json.JSONDecodeError, KeyError, TypeError):
                 fail(f"line {n} of prompt file {path!r} is not a JSON object with a prompt field; each line "
                      f"of a .jsonl file must be one")
     if not prompts:
         fail(f"prompt file {path!r} is empty; it needs at least one prompt (one per line)")
+    if {"ocr", "geneval"} & set(rewards):
+        import_sibling("rewards").check_prompts(rewards, prompts, [f"line {n} of {path!r}" for n, _ in lines])
     toy_rewards = [r for r in rewards if r.startswith("toy_")]
     if toy_rewards:
         parse_toy_prompt = import_sibling("toy.world").parse_toy_prompt
@@ -1141,8 +1167,11 @@ def evaluate_policy(transformer, *, pipe, kind: str, prompts: list[str], rewards
         x0 = ode_complete(transformer, kind, noise.to(device), paths, sigmas, emb, guidance=guidance,
                           micro_batch=micro_batch)
     images = torch.cat([decode(pipe, z) for z in x0.split(micro_batch)])
-    local = score(rewards, images, local_prompts)
+    local = score(rewards, images, local_prompts, evaluation=True)
     scores = {k: gather_cat(v.to(device)).cpu()[:num_pairs] for k, v in local.items()}
+    for fn in rewards.values():
+        if hasattr(fn, "breakdown"):  # GenEval's accuracies per tag
+            scores.update(fn.breakdown(scores, [prompts[k % len(prompts)] for k in range(num_pairs)]))
     return scores, images, local_prompts, local
 
 

@@ -19,12 +19,13 @@ G2RPO, Table 1 (400 HPDv2 test prompts, FLUX.1-dev; HPS-v2.1, CLIP, PickScore, I
         --out results/g2rpo_table1
 
 DenseGRPO, DrawBench (its 200 prompts, one per line; SD3.5-M at Flow-GRPO's and DenseGRPO's 512 px, 40
-steps, guidance 4.5, 128 tokens; PickScore, aesthetic, ImageReward, UnifiedReward; its DeQA column is not
-included: this project has no port of the DeQA-Score model):
+steps, guidance 4.5, 128 tokens; PickScore, aesthetic, ImageReward, UnifiedReward, DeQA-Score from Flow-GRPO's
+reward server; README: GenEval, OCR and DeQA-Score has the task metrics' commands):
     torchrun --nproc_per_node 8 evaluate.py --model sd3.5-medium --checkpoints runs/<densegrpo run> \\
         --prompts data/drawbench/test.txt --resolution 512 --steps 40 --guidance 4.5 \\
         --max-sequence-length 128 \\
-        --metrics pickscore aesthetic imagereward unifiedreward --unifiedreward-url http://127.0.0.1:17140 \\
+        --metrics pickscore aesthetic imagereward unifiedreward deqa \\
+        --unifiedreward-url http://127.0.0.1:17140 \\
         --out results/densegrpo_drawbench
 
 The toy world (base model against a toy run's newest checkpoint, 64 prompts x 4 seeds):
@@ -66,7 +67,7 @@ class Args:
 
     # Metrics
     metrics: tuple[str, ...] = ("hps", "clip", "pickscore", "imagereward", "unifiedreward")
-    """rewards: hps, clip, pickscore, imagereward, aesthetic, unifiedreward, jpeg, toy_* (G2RPO's Table 1)"""
+    """rewards: hps, clip, pickscore, imagereward, aesthetic, unifiedreward, ocr, geneval, deqa, jpeg, toy"""
     reward_models: tyro.conf.OmitArgPrefixes[RewardModels] = field(default_factory=RewardModels)
     """where each reward model's weights come from"""
 
@@ -238,9 +239,9 @@ def score_pairs(transformer, *, pipe, kind: str, emb: dict, noise, prompts: list
     paths = [list(range(len(sigmas)))] * len(noise)
     x0 = ode_complete(transformer, kind, noise.to(device), paths, sigmas, emb, guidance=guidance,
                       micro_batch=micro_batch)
-    parts = [score(rewards, decode(pipe, x0[c]), [prompts[i] for i in c.tolist()])
+    parts = [score(rewards, decode(pipe, x0[c]), [prompts[i] for i in c.tolist()], evaluation=True)
              for c in torch.arange(len(x0)).split(micro_batch)]
-    local = {k: torch.cat([p[k] for p in parts]) for k in rewards}
+    local = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
     return {k: gather_cat(v.to(device)).cpu()[:num_pairs] for k, v in local.items()}
 
 
@@ -268,11 +269,12 @@ def table(args, entries: list[dict], scores: list[dict], *, num_prompts: int, ki
             f"{args.guidance}, {args.resolution} px, {args.max_sequence_length} tokens, seed {args.seed}. "
             f"Each metric: mean +- standard error over the pairs; change: the paired difference from {first} "
             f"on the same pairs +- its paired standard error.\n")
-    columns = ["entry", "iteration"] + [c for m in args.metrics for c in (m, f"{m} change")]
+    metrics = list(scores[0])  # --metrics, and GenEval's accuracies (per tag)
+    columns = ["entry", "iteration"] + [c for m in metrics for c in (m, f"{m} change")]
     lines = [head, "| " + " | ".join(columns) + " |", "|---" * len(columns) + "|"]
     for i, (entry, s) in enumerate(zip(entries, scores)):
         cells = []
-        for m in args.metrics:
+        for m in metrics:
             d, se = paired_change(scores[0][m], s[m]) if i else (math.nan, math.nan)
             change = f"{d:+.{decimals(se)}f} +- {se:.{decimals(se)}f}" if i else "(reference)"
             cells += [mean_se(s[m]), change]
@@ -316,6 +318,9 @@ if __name__ == "__main__":
             transformer, pipe=pipe, kind=kind, emb=emb, noise=noise, prompts=prompts, rewards=rewards,
             sigmas=sigmas, guidance=args.guidance, micro_batch=args.micro_batch, num_pairs=len(pairs),
             device=device))
+        for fn in rewards.values():
+            if hasattr(fn, "breakdown"):  # GenEval's accuracies per tag
+                all_scores[-1].update(fn.breakdown(all_scores[-1], [p for p, _ in pairs]))
         if entry["weights"] == "lora":
             pipe.unload_lora_weights()
         elif entry["weights"] == "transformer":

@@ -1,13 +1,16 @@
 """The learned reward models, each loaded as fn(images [B, 3, H, W] in [0, 1], prompts) -> float32 [B]:
 HPS-v2.1 and the CLIP score (open_clip), PickScore, ImageReward (a port onto transformers' BLIP modules), the
-LAION aesthetic predictor, UnifiedReward (a client for an OpenAI-compatible server). common.load_rewards
+LAION aesthetic predictor, UnifiedReward (a client for an OpenAI-compatible server), Flow-GRPO's OCR reward
+(RapidOCR), GenEval and DeQA-Score (clients of Flow-GRPO's reward server). common.load_rewards
 imports this module only when one of them is asked for; where their weights come from is common.RewardModels
 (read here by attribute: this module imports nothing of the project, so it can be copied alone).
 
 The towers run in the given dtype (bf16 on GPUs), every projection, logit scale and head in float32."""
 import io
 import json
+import math
 import os
+import pickle
 
 import torch
 
@@ -36,6 +39,14 @@ def check(name: str, models):
     exist, or UnifiedReward without a server, is a one-line error before any model loads."""
     if name == "unifiedreward" and not models.unifiedreward_url:
         fail("the unifiedreward reward needs --unifiedreward-url, the address of a server that serves it")
+    url = getattr(models, f"{name}_url") if name in ("geneval", "deqa") else None
+    if url is not None and not url.startswith(("http://", "https://")):
+        fail(f"--{name}-url {url!r} is not an http:// address of the reward server")
+    if name == "ocr":
+        import importlib.util
+        missing = [m for m in ("rapidocr", "onnxruntime") if importlib.util.find_spec(m) is None]
+        if missing:
+            fail(f"the ocr reward needs an OCR engine ({' and '.join(missing)} not installed): {OCR_INSTALL}")
     for field in REWARD_SOURCES.get(name, []):
         spec = getattr(models, field)
         if is_local_path(spec) and not os.path.exists(os.path.expanduser(spec)):
@@ -86,6 +97,12 @@ def load(name: str, device, *, models, dtype=torch.float32):
     if name == "unifiedreward":
         key = models.unifiedreward_api_key or os.environ.get("UNIFIEDREWARD_API_KEY")
         return unifiedreward_reward(models.unifiedreward_url, model=models.unifiedreward_model, api_key=key)
+    if name == "ocr":
+        return ocr_reward()
+    if name == "geneval":
+        return geneval_reward(models.geneval_url)
+    if name == "deqa":
+        return deqa_reward(models.deqa_url)
     fail(f"{name!r} is not a reward model of rewards.py")
 
 
@@ -405,5 +422,265 @@ def unifiedreward_reward(url: str, *, model: str, api_key: str | None = None, sc
                      f"{answer[:200]!r}")
             scores.append(float(match.group(1)) / scale)
         return torch.tensor(scores)
+
+    return score
+
+
+def uint8_pixels(images):
+    """Images [B, 3, H, W] in [0, 1] as uint8 [B, H, W, 3] numpy, as Flow-GRPO's (x * 255).round().clamp()."""
+    return (images.detach().float().clamp(0, 1) * 255).round().byte().permute(0, 2, 3, 1).cpu().numpy()
+
+
+# ---- OCR: Flow-GRPO's flow_grpo/ocr.py on RapidOCR (PaddleOCR's PP-OCR models as ONNX, in its wheel) ----
+OCR_INSTALL = "pip install -r requirements-ocr.txt (rapidocr, onnxruntime)"
+
+
+def ocr_target(prompt: str) -> str | None:
+    """The text inside the prompt's first pair of double quotes (Flow-GRPO's ocr.py:31, prompt.split('"')[1]),
+    None without a pair."""
+    parts = str(prompt).split('"')
+    return parts[1] if len(parts) >= 3 else None
+
+
+def levenshtein(a: str, b: str) -> int:
+    """The edit distance (insertions, deletions, substitutions of a character), as Levenshtein.distance."""
+    row = list(range(len(b) + 1))
+    for i, ca in enumerate(a, 1):
+        prev, row[0] = row[0], i
+        for j, cb in enumerate(b, 1):
+            prev, row[j] = row[j], min(row[j] + 1, row[j - 1] + 1, prev + (ca != cb))
+    return row[-1]
+
+
+def ocr_score(recognised: str, target: str) -> float:
+    """Flow-GRPO's OCR reward (ocr.py:44-60): spaces removed and lowercased on both sides; 1 if the target is
+    a substring of the recognised text, else 1 - min(Levenshtein(recognised, target), len) / len."""
+    recognised, target = recognised.replace(" ", "").lower(), target.replace(" ", "").lower()
+    distance = 0 if target in recognised else min(levenshtein(recognised, target), len(target))
+    return 1 - distance / len(target)
+
+
+def ocr_engine():
+    """RapidOCR (the rapidocr package on onnxruntime, its shipped PP-OCR detection and recognition models, no
+    download) as fn(pixels [H, W, 3] uint8) -> [(text, confidence)] per detected line, without the angle
+    classifier (Flow-GRPO: PaddleOCR(use_angle_cls=False), ocr(img, cls=False)); both drop lines below 0.5."""
+    import logging
+
+    try:
+        from rapidocr import RapidOCR
+    except ImportError:
+        fail(f"the ocr reward needs an OCR engine: {OCR_INSTALL}")
+    engine = RapidOCR(params={"Global.use_cls": False, "Global.log_level": "error"})
+    logging.getLogger("RapidOCR").setLevel(logging.ERROR)
+
+    def read(pixels):
+        out = engine(pixels, use_cls=False)
+        return list(zip(out.txts or (), out.scores or ()))
+
+    return read
+
+
+def ocr_reward(engine=None):
+    """Flow-GRPO's OCR reward: each image read by `engine` (fn(pixels [H, W, 3] uint8) -> [(text,
+    confidence)]; default ocr_engine()), the texts of the lines with confidence > 0 concatenated (ocr.py:44),
+    scored by ocr_score against the prompt's quoted text. An engine error is a one-line error (the official
+    code scores 0 and goes on)."""
+    read = engine or ocr_engine()
+
+    def score(images, prompts):
+        targets = [ocr_target(p) for p in prompts]
+        if any(t is None or not t.replace(" ", "") for t in targets):
+            fail(f"the ocr reward needs a non-empty text in double quotes in every prompt: {prompts[0]!r}")
+        out = []
+        for image, target in zip(uint8_pixels(images), targets):
+            try:
+                lines = read(image)
+            except Exception as e:
+                fail(f"the OCR engine failed on an image ({type(e).__name__}: {str(e)[:120]})")
+            out.append(ocr_score("".join(text for text, confidence in lines if confidence > 0), target))
+        return torch.tensor(out)
+
+    return score
+
+
+# ---- Prompts with metadata (GenEval's .jsonl lines) ----
+GENEVAL_TAGS = ("single_object", "two_object", "counting", "colors", "position", "color_attr")
+GENEVAL_RELATIONS = ("left of", "right of", "above", "below")
+
+
+def geneval_metadata_problem(meta) -> str | None:
+    """What is wrong with one line of GenEval metadata (as reward_server/gen_eval.py reads it: tag, include
+    [{class, count, color?, position: [relation, index of an earlier include]?}], exclude? [{class, count}]),
+    or None."""
+    if not isinstance(meta, dict) or meta.get("tag") not in GENEVAL_TAGS:
+        return f"its tag is not one of {', '.join(GENEVAL_TAGS)}"
+    include, exclude = meta.get("include"), meta.get("exclude", [])
+    if not isinstance(include, list) or not include or not isinstance(exclude, list):
+        return "include must be a non-empty list of objects (and exclude a list)"
+    for key, clauses in (("include", include), ("exclude", exclude)):
+        for i, c in enumerate(clauses):
+            c = c if isinstance(c, dict) else {}
+            count = c.get("count")
+            if not isinstance(c.get("class"), str) or isinstance(count, bool) or not isinstance(count, int) \
+                    or count < 1:
+                return f"{key}[{i}] needs a class (a string) and a count (an integer >= 1)"
+            if "color" in c and not isinstance(c["color"], str):
+                return f"{key}[{i}]'s color is not a string"
+            position = c.get("position")
+            if position is not None and not (isinstance(position, list) and len(position) == 2 and position[0]
+                                             in GENEVAL_RELATIONS and position[1] in range(i)):
+                return (f"{key}[{i}]'s position is not [relation, index of an earlier include] with a "
+                        f"relation in {', '.join(GENEVAL_RELATIONS)}")
+    return None
+
+
+def check_prompts(names, prompts, where: list[str]):
+    """The prompts the rewards `names` need, before any model loads: ocr a non-empty text in double quotes,
+    geneval GenEval metadata (prompt.metadata, from a .jsonl file); `where` names each prompt (its line)."""
+    for prompt, place in zip(prompts, where):
+        target = ocr_target(prompt)
+        if "ocr" in names and target is None:
+            fail(f"{place} has no text in double quotes for the ocr reward: {str(prompt)[:60]!r}")
+        if "ocr" in names and not target.replace(" ", ""):
+            fail(f"{place} quotes an empty text; the ocr reward needs a text to render: {str(prompt)[:60]!r}")
+        if "geneval" in names:
+            meta = getattr(prompt, "metadata", None)
+            if meta is None:
+                fail(f"the geneval reward needs GenEval metadata; {place} is plain text: pass a .jsonl "
+                     f"metadata file (data/geneval/test_metadata.jsonl)")
+            problem = geneval_metadata_problem(meta)
+            if problem:
+                fail(f"{place}: {problem} (GenEval metadata)")
+
+
+# ---- Clients of Flow-GRPO's reward server (github.com/yifan123/reward-server): GenEval and DeQA-Score ----
+class PlainUnpickler(pickle.Unpickler):
+    """Unpickles plain values only (dict, list, tuple, str, bytes, int, float, bool, None: pickle's own
+    opcodes; what the reward server sends): every class or function lookup, the only way a pickle can run
+    code, is refused."""
+
+    def find_class(self, module, name):
+        raise pickle.UnpicklingError(f"refused {module}.{name}")
+
+    def persistent_load(self, pid):
+        raise pickle.UnpicklingError("refused a persistent id")
+
+
+def plain_loads(data: bytes, url: str):
+    """A reward server's pickled answer, plain values only; anything else is a one-line error naming `url`."""
+    try:
+        return PlainUnpickler(io.BytesIO(data)).load()
+    except pickle.UnpicklingError as e:
+        if str(e).startswith("refused"):
+            fail(f"the reward server {url} answered with a pickle that is not plain data ({e}); nothing of "
+                 f"it was run: is it the reward server?")
+        why = str(e)[:80]
+    except Exception as e:  # not a pickle at all: a web page, a truncated answer
+        why = f"{type(e).__name__}: {str(e)[:80]}"
+    fail(f"the reward server {url} answered with no pickle ({why}; {len(data)} bytes: {data[:40]!r})")
+
+
+def jpeg_batches(images, size: int = 64):
+    """Each image as JPEG bytes (PIL's default quality 75, as Flow-GRPO's clients) and the batches of the
+    official np.array_split(..., ceil(n / size)): index tensors of near-equal length."""
+    from PIL import Image
+
+    jpegs = []
+    for pixels in uint8_pixels(images):
+        buf = io.BytesIO()
+        Image.fromarray(pixels).save(buf, format="JPEG")
+        jpegs.append(buf.getvalue())
+    return jpegs, torch.arange(len(jpegs)).tensor_split(-(-len(jpegs) // size))
+
+
+def server_post(url: str, payload: dict, *, timeout: float = 120, retries: int = 3) -> dict:
+    """POST pickle.dumps(payload) to a reward server; its answer as plain data. Connection errors, timeouts
+    and HTTP 5xx (the server's error answer) are retried `retries` times, then one line naming `url`."""
+    import time
+    import urllib.error
+    import urllib.request
+
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # a local or in-cluster server
+    request = urllib.request.Request(url, pickle.dumps(payload), {"Content-Type": "application/octet-stream"})
+    for attempt in range(retries + 1):
+        time.sleep(0.5 * (2**attempt - 1))  # 0, 0.5, 1.5, 3.5 s
+        try:
+            with opener.open(request, timeout=timeout) as response:
+                return plain_loads(response.read(), url)
+        except urllib.error.HTTPError as e:
+            last = (e.read().decode("utf-8", "replace").strip().splitlines() or [""])[-1]  # the exception
+            error = f"HTTP {e.code}" + (f": {last[:120]}" if last else "")
+            if e.code < 500:  # a bad request stays bad
+                break
+        except OSError as e:
+            error = f"{type(e).__name__}: {str(getattr(e, 'reason', e))[:120]}"
+    fail(f"the reward server {url} failed after {attempt + 1} tries ({error}); start it (README: reward "
+         f"server) or pass its URL")
+
+
+def numbers(answer, key: str, n: int, url: str) -> list:
+    """answer[key] as n finite numbers, else a one-line error naming `url`."""
+    values = answer.get(key) if isinstance(answer, dict) else None
+    if not isinstance(values, (list, tuple)) or len(values) != n or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in values):
+        fail(f"the reward server {url} answered without {n} numbers in {key!r} "
+             f"(got {str(values if values is not None else answer)[:80]})")
+    return list(values)
+
+
+def geneval_reward(url: str, *, timeout: float = 120, retries: int = 3):
+    """GenEval from the reward server (Flow-GRPO's rewards.py geneval_score): per batch of <= 64 images their
+    JPEG bytes and the prompts' metadata with only_strict (True in training: the server skips the original
+    GenEval check). In training the reward is the server's partial `score`; called with evaluation=True
+    (common.score in evaluations) also the original GenEval `accuracy` and `strict_accuracy` per image, and
+    .breakdown gives them per tag."""
+
+    def score(images, prompts, evaluation: bool = False):
+        metadata = [getattr(p, "metadata", None) for p in prompts]
+        if any(m is None or geneval_metadata_problem(m) for m in metadata):
+            fail(f"the geneval reward needs prompts with GenEval metadata (a .jsonl file): "
+                 f"{str(prompts[0])[:60]!r}")
+        jpegs, batches = jpeg_batches(images)
+        out = {"geneval": [], "geneval_accuracy": [], "geneval_strict_accuracy": []}
+        for batch in batches:
+            idx = batch.tolist()
+            body = {"images": [jpegs[i] for i in idx], "meta_datas": [metadata[i] for i in idx],
+                    "only_strict": not evaluation}
+            answer = server_post(url, body, timeout=timeout, retries=retries)
+            for name, key in (("geneval", "scores"), ("geneval_accuracy", "rewards"),
+                              ("geneval_strict_accuracy", "strict_rewards")):
+                out[name] += numbers(answer, key, len(idx), url)
+        out = {k: torch.tensor(v, dtype=torch.float32) for k, v in out.items()}
+        return out if evaluation else out["geneval"]
+
+    def breakdown(scores: dict, prompts) -> dict:
+        """{geneval_<tag>_accuracy, geneval_<tag>_strict_accuracy: the values of that tag's pairs} of
+        evaluation scores of all pairs (the server's group_rewards without its -10 placeholders)."""
+        if "geneval_accuracy" not in scores:
+            return {}
+        tags = [p.metadata["tag"] for p in prompts]
+        out = {}
+        for tag in sorted(set(tags)):
+            rows = torch.tensor([t == tag for t in tags])
+            for kind in ("accuracy", "strict_accuracy"):
+                out[f"geneval_{tag}_{kind}"] = scores[f"geneval_{kind}"][rows]
+        return out
+
+    score.evaluation, score.breakdown = True, breakdown
+    return score
+
+
+def deqa_reward(url: str, *, timeout: float = 120, retries: int = 3):
+    """DeQA-Score from the reward server (Flow-GRPO's rewards.py deqa_score_remote): per batch of <= 64 images
+    their JPEG bytes; the server's `outputs`, DeQA-Score-Mix3's 1-5 score / 5. Prompts are not used."""
+
+    def score(images, prompts):
+        jpegs, batches = jpeg_batches(images)
+        out = []
+        for batch in batches:
+            idx = batch.tolist()
+            answer = server_post(url, {"images": [jpegs[i] for i in idx]}, timeout=timeout, retries=retries)
+            out += numbers(answer, "outputs", len(idx), url)
+        return torch.tensor(out, dtype=torch.float32)
 
     return score

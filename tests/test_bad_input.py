@@ -122,7 +122,8 @@ def test_world_size_must_divide_prompts():
 
 def test_unknown_reward():
     with pytest.raises(SystemExit, match=r"unknown reward 'nonsense'; choose from \['hps', 'clip', 'pickscore', "
-                                         r"'imagereward', 'aesthetic', 'unifiedreward', 'jpeg'"):
+                                         r"'imagereward', 'aesthetic', 'unifiedreward', 'ocr', 'geneval', "
+                                         r"'deqa', 'jpeg'"):
         load_rewards(["nonsense"], "cpu", models=RewardModels())
 
 
