@@ -214,3 +214,27 @@ def test_urls_are_checked_before_loading():
                             "server")
     assert common.RewardModels().geneval_url == "http://127.0.0.1:18085"
     assert common.RewardModels().deqa_url == "http://127.0.0.1:18086"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", ["flow_grpo.py", "diffusion_nft.py"])
+def test_an_algorithm_file_trains_and_evaluates_on_geneval(server, tiny, tmp_path, script):
+    """A whole run on the tiny Flux pipeline with metadata prompts: every training request carries each image's
+    own prompt metadata (through the groups and the rollout) with only_strict, the evaluation's without, and the
+    run logs the training score and the evaluation's accuracies, per tag too."""
+    from helpers import read_metrics, run_script, tiny_flags
+
+    path = tmp_path / "meta.jsonl"
+    path.write_text("".join(json.dumps(m) + "\n" for m in META))
+    flags = tiny_flags(tiny["flux"], str(path), tmp_path / "out", rewards="geneval", num_iterations=1, eval_every=1,
+                       eval_num=3, save_every=0, log_images_every=0)
+    run_script(script, flags + ["--geneval-url", server.url])
+    _, m = read_metrics(tmp_path / "out")
+    training = [r for r in server.requests if r["only_strict"]]
+    assert len(training) == 1 and len(training[0]["images"]) == 2 * 4  # 2 prompts x G = 4, one batch
+    by_prompt = {m["prompt"]: m for m in META}
+    sent = training[0]["meta_datas"]
+    assert all(s == by_prompt[s["prompt"]] for s in sent) and all(s == sent[4 * (i // 4)] for i, s in enumerate(sent))
+    assert [r["meta_datas"] for r in server.requests if not r["only_strict"]][0] == META  # pairs 0, 1, 2
+    assert 0 <= m[1]["reward/geneval_mean"] <= 1
+    assert {"eval/geneval_accuracy", "eval/geneval_strict_accuracy", "eval/geneval_counting_accuracy"} <= set(m[1])
