@@ -228,6 +228,35 @@ def test_paper_command_lines_parse():
     assert (default.num_steps, default.group_size, default.beta, default.noise_level) == (10, 24, 0.01, 0.7)
 
 
+@pytest.mark.parametrize("script", ["diffusion_nft.py", "awm.py"])
+def test_the_readmes_command_lines_parse_and_pass_the_checks(script):
+    """Every README command line of the forward-process files (continuation lines joined) parses and passes
+    check_args at its world size, before any model or prompt file is read."""
+    import importlib
+    import importlib.util
+    import re
+    import shlex
+
+    import tyro
+
+    from helpers import ROOT
+
+    text = open(os.path.join(ROOT, "README.md")).read().replace("\\\n", " ")
+    lines = [line.split("#")[0] for line in text.splitlines() if re.match(rf"(torchrun .*|python ){script}", line)]
+    assert len(lines) >= 2, lines
+    module = importlib.import_module(script[:-3])
+    for line in lines:
+        words = shlex.split(line)
+        world = int(next((w.split("=")[1] for w in words if w.startswith("--nproc_per_node=")), None) or
+                    (words[words.index("--nproc_per_node") + 1] if "--nproc_per_node" in words else 1))
+        args = tyro.cli(module.Args, args=words[words.index(script) + 1:])
+        if "ocr" in args.rewards and importlib.util.find_spec("rapidocr") is None:  # the optional engine
+            with pytest.raises(SystemExit, match="the ocr reward needs an OCR engine"):
+                module.check_args(args, world)
+            continue
+        module.check_args(args, world)
+
+
 def test_toy_preset_explicit_flags_win(monkeypatch):
     from common import parse_args
 
