@@ -32,18 +32,19 @@ Keys: flow_grpo, flow_grpo-coca, densegrpo, dancegrpo, mixgrpo, g2rpo, diffusion
 awm.
 
 Time on one H100, from results/estimate.md's seconds per iteration at 40% MFU plus what this script adds:
-  compute: Flow-GRPO 22 + Flow-GRPO + CoCA 22 + DenseGRPO 23 (SD3.5-M) + DanceGRPO 44 + MixGRPO 38 +
-           G2RPO 166 (FLUX.1-dev) = 315 s;
+  compute: Flow-GRPO 22 + Flow-GRPO + CoCA 22 + DenseGRPO 23 + AWM 5 + DiffusionNFT 13 (SD3.5-M) +
+           DanceGRPO 44 + MixGRPO 38 + G2RPO 166 + DiffusionNFT 51 (FLUX.1-dev) = 384 s;
   builds: SD3.5-M ~8 s, FLUX.1-dev ~12 s (2.5 B / 11.9 B + T5-XXL's 4.8 B parameters initialised on the GPU,
            then T5 and CLIP, 9-10 GiB, to the CPU) = 20 s;
   per configuration ~10 s: its reward models (ViT-H-14s initialised on the GPU, sent to the CPU by open_clip
            and back, 3.7 GiB each way, ~2 s each), the text encoders' visit to the GPU (9-10 GiB each way,
            ~3 s, inside the iteration's seconds but not in the estimate's), LoRA set-up and removal, the
-           file's imports and TensorBoard writer: 6 x 10 = 60 s;
+           file's imports and TensorBoard writer: 9 x 10 = 90 s;
   Python imports and CUDA start-up ~25 s;
-  total 315 + 20 + 60 + 25 = ~420 s of the 480 s allowed (an H200 computes as fast as an H100). Before each
-  configuration its estimate x 1.15 + 10 s is checked against --budget (460 s): one that would end later is
-  skipped and reported as such (G2RPO, last, is the one at risk if the GPU runs below 40% MFU).
+  total 384 + 20 + 90 + 25 = ~520 s, more than the 480 s one call allows (an H200 computes as fast as an H100).
+  Before each configuration its estimate x 1.15 + 10 s is checked against --budget (460 s): one that would end
+  later is skipped and reported as such (the FLUX.1-dev rows, last, are the ones at risk); run the rest in a
+  second call with --only.
 """
 import argparse
 import contextlib
