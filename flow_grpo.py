@@ -59,7 +59,7 @@ class Args:
     eval_prompts: str = "data/pickscore/test.txt"
     """held-out evaluation prompts, one per line ('toy': the toy world's grammar)"""
     rewards: tuple[str, ...] = ("pickscore",)
-    """reward names: hps, clip, pickscore, imagereward, aesthetic, unifiedreward, jpeg, toy_*"""
+    """rewards: hps, clip, pickscore, imagereward, aesthetic, unifiedreward, ocr, geneval, deqa, jpeg, toy"""
     reward_weights: tuple[float, ...] = ()
     """one weight per reward (none given: all 1)"""
     eval_rewards: tuple[str, ...] = ()
