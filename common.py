@@ -632,7 +632,7 @@ def score(rewards: dict, images, prompts, *, evaluation: bool = False) -> dict:
              "--learning-rate if it happened after some updates")
     out = {}
     for name, fn in rewards.items():
-        r = fn(images, prompts, evaluation=True) if evaluation and getattr(fn, "evaluation", 0) else \
+        r = fn(images, prompts, evaluation=True) if evaluation and getattr(fn, "evaluation", False) else \
             fn(images, prompts)
         for key, r in (r if isinstance(r, dict) else {name: r}).items():
             r = r.float().cpu()

@@ -411,7 +411,7 @@ def unifiedreward_reward(url: str, *, model: str, api_key: str | None = None, sc
              f"pass --unifiedreward-url")
 
     def score(images, prompts):
-        pixels = (images.detach().float().clamp(0, 1) * 255).round().byte().permute(0, 2, 3, 1).cpu().numpy()
+        pixels = uint8_pixels(images)
         with concurrent.futures.ThreadPoolExecutor(max(1, min(workers, len(prompts)))) as pool:
             answers = list(pool.map(ask, pixels, prompts))
         scores = []
