@@ -290,7 +290,7 @@ if __name__ == "__main__":
     pbar = tqdm(range(start, args.num_iterations), disable=not is_main, initial=start,
                 total=args.num_iterations, bar_format=bar)
     for iteration in pbar:
-        t_start = time.time()
+        t_start, cpu_start = time.time(), time.process_time()
         nfe_start = NFE["count"]
         gen = iteration_generator(args.seed, iteration, rank)
 
@@ -416,6 +416,7 @@ if __name__ == "__main__":
         metrics["perf/nfe_per_iteration"] = totals["nfe"]
         metrics["perf/rollout_seconds"] = t_rollout
         metrics["perf/seconds_per_iteration"] = time.time() - t_start
+        metrics["perf/cpu_seconds_per_iteration"] = time.process_time() - cpu_start  # this process
         if is_main:
             log_metrics(writer, run_dir, iteration + 1, metrics)
         last = iteration + 1 == args.num_iterations

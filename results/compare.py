@@ -44,7 +44,16 @@ CONFIGS = {
     "flow_grpo_exact_kl": ("flow_grpo.py", ["--kl-form", "exact"], 3),
     "flow_grpo_colour_only": ("flow_grpo.py", ["--rewards", A, "--eval-rewards", B, S], 3),
     "flow_grpo_shape_only": ("flow_grpo.py", ["--rewards", B, "--eval-rewards", A, S], 3),
+    "diffusion_nft": ("diffusion_nft.py", [], 0),  # run in the equal-compute comparison only (EQUAL)
+    "awm": ("awm.py", [], 0),
 }
+# The equal-compute comparison (--equal; results/compare/equal/): every file's preset, each run to at least the NFE
+# of 60 Flow-GRPO iterations, so that the cheaper methods are not cut off before they plateau. {config: seeds}: 10
+# for the rows of the efficiency claims (DiffusionNFT, AWM and MixGRPO-Flash against their baselines), else 5.
+EQUAL = {"flow_grpo": 10, "flow_grpo_coca": 5, "dancegrpo": 5, "mixgrpo": 10, "mixgrpo_flash": 10, "g2rpo_L123": 5,
+         "dense_calibrated": 5, "diffusion_nft": 10, "awm": 10}
+EQUAL_SETTINGS = {"budget_nfe": 60 * 3072, "eval_every": 10, "out": os.path.join(ROOT, "results", "compare", "equal"),
+                  "runs_dir": os.path.join(ROOT, "runs", "compare_equal")}
 # The papers' main tables, each row a config: name: (title, {config: the paper's row name}, claims); a claim is
 # (what the paper finds, config a, config b, kind): "better" = a above b; "comparable" = a within a margin of b.
 TABLES = {
@@ -115,8 +124,8 @@ def planned_per_iteration(config: str) -> float:
 
 
 def seeds_of(a, config):
-    """The seeds a config runs: --seeds if given, else 0 .. (its count in CONFIGS) - 1."""
-    return a.seeds if a.seeds else list(range(CONFIGS[config][2]))
+    """The seeds a config runs: --seeds if given, else 0 .. (its count in CONFIGS, or EQUAL with --equal) - 1."""
+    return a.seeds if a.seeds else list(range(EQUAL[config] if getattr(a, "equal", False) else CONFIGS[config][2]))
 
 
 def plan(a):
@@ -185,7 +194,7 @@ def run_all(a):
         for s in seeds_of(a, c):
             check_settings(raw_path(a, c, s), settings(a, c, iters[c]))
             check_settings(os.path.join(a.runs_dir, c, f"seed{s}.json"), settings(a, c, iters[c]))
-    todo = [(c, s) for s in range(max(max(seeds_of(a, c)) for c in a.configs) + 1)
+    todo = [(c, s) for s in range(max(max(seeds_of(a, c), default=-1) for c in a.configs) + 1)
             for c in sorted(a.configs, key=lambda c: -iters[c] * planned_per_iteration(c))
             if s in seeds_of(a, c) and not os.path.exists(raw_path(a, c, s))]
     print(f"{len(todo)} runs to do, {a.workers} at a time; iterations per config: {iters}", flush=True)
@@ -497,19 +506,25 @@ def summarize(a):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS), metavar="CONFIG")
+    p.add_argument("--equal", action="store_true", help="the equal-compute comparison of every file (EQUAL)")
+    p.add_argument("--configs", nargs="+", default=None, choices=list(CONFIGS), metavar="CONFIG")
     p.add_argument("--seeds", nargs="+", type=int, default=None, help="default: each config's own count (CONFIGS)")
     p.add_argument("--workers", type=int, default=2, help="runs side by side, one thread each")
-    p.add_argument("--budget-nfe", type=float, default=61_440, help="NFE per run (= 20 Flow-GRPO iterations)")
+    p.add_argument("--budget-nfe", type=float, default=61_440, help="NFE per run (= 20 Flow-GRPO iterations; --equal: 60)")
     p.add_argument("--min-iterations", type=int, default=10)
     p.add_argument("--iterations", type=int, default=0, help="if > 0: this many iterations for every config")
-    p.add_argument("--eval-every", type=int, default=5)
+    p.add_argument("--eval-every", type=int, default=5, help="(--equal: 10)")
     p.add_argument("--eval-num", type=int, default=256)
     p.add_argument("--extra", default="", help="flags appended to every run (e.g. smaller groups for a smoke test)")
     p.add_argument("--runs-dir", default=os.path.join(ROOT, "runs", "compare"))
     p.add_argument("--out", default=os.path.join(ROOT, "results", "compare"))
     p.add_argument("--summary-only", action="store_true")
     a = p.parse_args()
+    if a.equal:  # its own budget, evaluation interval and directories, unless given
+        given = {x.split("=")[0][2:].replace("-", "_") for x in sys.argv[1:] if x.startswith("--")}
+        for key, value in EQUAL_SETTINGS.items():
+            setattr(a, key, getattr(a, key) if key in given else value)
+    a.configs = a.configs or [c for c in CONFIGS if (EQUAL.get(c, 0) if a.equal else CONFIGS[c][2])]
     if a.workers < 1 or a.eval_every < 1 or a.min_iterations < 1 or a.budget_nfe <= 0:
         sys.exit("error: --workers, --eval-every and --min-iterations must be >= 1 and --budget-nfe > 0")
     if not a.summary_only:
