@@ -1,7 +1,6 @@
 # AWM (Xue et al., 2025, arXiv 2509.25050); docs: README.md#awm
-"""AWM (Advantage Weighted Matching): deterministic SA-Solver rollouts, Flow-GRPO's advantages, and as the
-log-likelihood -w(mse(v(x_t, t), eps - x0)), the weighted flow-matching loss of the final image re-noised at
-stratified timesteps, in a PPO-clipped ratio, with KLs to the reference model and to an EMA of the weights.
+"""AWM (Advantage Weighted Matching): SA-Solver rollouts, Flow-GRPO's advantages, a PPO-clipped ratio of the
+log-likelihoods -w(mse(v(x_t, t), eps - x0)) of the final image re-noised at stratified timesteps, two KLs.
 
 The defaults are the paper's setting; --model toy trains the embedded toy model on a CPU."""
 import os
@@ -13,15 +12,15 @@ import torch
 import tyro
 from tqdm import tqdm
 
-from common import (NFE, TOY_WORLD, RewardModels, check_common_args, combine_advantages, decode, ema_update,
-                    encode_prompts, evaluate_policy, fail, gather_cat, gathered, image_grid,
+from common import (NFE, TOY_WORLD, RewardModels, as_reference, check_common_args, combine_advantages, decode,
+                    ema_update, encode_prompts, evaluate_policy, fail, gather_cat, gathered, image_grid,
                     iteration_generator, latent_shape, load_pipeline, load_prompt_set, load_rewards,
-                    load_state, log_metrics, make_trainable, make_writer, max_over_ranks, optimizer_step,
-                    parse_args, pipeline_sigmas, resume_checkpoint, run_directory, run_summary,
-                    sa_solver, save_eval_grid, save_state, score, seed_everything, select, setup_distributed,
-                    sum_over_ranks, swapped_in, velocities, velocity)
+                    load_state, log_metrics, make_trainable, make_writer, optimizer_step, parse_args,
+                    pipeline_sigmas, rank_chunks, resume_checkpoint, run_directory, run_summary,
+                    save_eval_grid, save_state, score, seed_everything, select, setup_distributed,
+                    sum_over_ranks, swapped_in, training_minibatches, velocities, velocity)
 # algorithm specific
-from common import as_reference, flow_matching_log_prob, rank_chunks, stratified_indices, training_minibatches
+from common import flow_matching_log_prob, max_over_ranks, sa_solver, stratified_indices
 
 
 @dataclass
@@ -286,14 +285,14 @@ if __name__ == "__main__":
                                         unbiased=False, global_std=args.global_std)
         advantages = advantages.clamp(-args.adv_clip, args.adv_clip) / args.adv_clip * args.advantage_max
         advantages = advantages[rank * P:(rank + 1) * P].reshape(-1).to(device)
-        advantages = advantages.expand(T, -1)  # every trained step gets the image's advantage
+        advantages = advantages.expand(T, -1)  # [T, N]: an advantage per step and sample
 
         # ALGO LOGIC: policy update (the PPO-clipped ratio of per-step log-probs, the KL to the reference)
         sums = dict.fromkeys(["terms", "ratio_mean", "clipfrac", "approx_kl", "policy_loss", "kl"], 0.0)
         sums["ema_kl"] = 0.0
         first_ratio_dev = 0.0  # max |ratio - 1| in the first mini-batch: 0 if sampling and training agree
         grad_norms = []
-        # the samples of every rank, none dropped (AWM), shuffled into new mini-batches, alike on every rank
+        # all ranks' samples, none dropped (AWM), into mini-batches, alike on all ranks
         trained_advantages = torch.ones(1, P * G * world)
         same_on_ranks = iteration_generator(args.seed, iteration, 0, stream=1)
         micro_batches = -(-trained_advantages.shape[1] // args.micro_batch)  # as many as one process has
@@ -302,10 +301,9 @@ if __name__ == "__main__":
         for u, minibatch in enumerate(minibatches):
             has_gradient = False
             chunks = rank_chunks(minibatch, rank=rank, world=world, per_rank=P * G,
-                                 micro_batch=args.micro_batch, sharded=sharded)
-            # a timestep per stratum of the trained steps for each micro-batch, shared by its samples
+                                 micro_batch=args.micro_batch, sharded=sharded)  # this rank's part of it
             times = sigmas[stratified_indices(n_train, len(train_steps), len(chunks), kind=args.time_type,
-                                              generator=gen)]
+                                              generator=gen)]  # a timestep per stratum and micro-batch
             for j in train_steps:
                 for m, (c, weight) in enumerate(chunks):
                     adv = advantages[j][c]
@@ -353,7 +351,7 @@ if __name__ == "__main__":
             if norm is not None:
                 grad_norms.append(norm)
             n_updates = iteration * args.updates_per_iteration + u + 1  # optimizer steps planned so far
-            if ema is not None and (n_updates + 1) % args.ema_every == 0:  # as Flow-GRPO: steps 7, 15, ...
+            if ema is not None and (n_updates + 1) % args.ema_every == 0:
                 ema_update(ema, list(params.values()), args.ema_decay, n_updates)
         # the KL-EMA after the iteration, by the optimizer steps so far (official: after the eval EMA)
         d = min(args.kl_ema_decay, 1e-3 * n_updates if args.kl_ema_decay_type == "linear" else 1.0)

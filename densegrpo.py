@@ -13,15 +13,15 @@ import torch
 import tyro
 from tqdm import tqdm
 
-from common import (NFE, TOY_WORLD, RewardModels, check_common_args, combine_advantages, decode, ema_update,
-                    encode_prompts, evaluate_policy, fail, gather_cat, gathered, image_grid,
+from common import (NFE, TOY_WORLD, RewardModels, as_reference, check_common_args, combine_advantages, decode,
+                    ema_update, encode_prompts, evaluate_policy, fail, gather_cat, gathered, image_grid,
                     iteration_generator, latent_shape, load_pipeline, load_prompt_set, load_rewards,
-                    load_state, log_metrics, make_trainable, make_writer, max_over_ranks, optimizer_step,
-                    parse_args, pipeline_sigmas, resume_checkpoint, run_directory, run_summary,
-                    save_eval_grid, save_state, score, sde_step, seed_everything, select, setup_distributed,
-                    sum_over_ranks, swapped_in, velocities, velocity)
+                    load_state, log_metrics, make_trainable, make_writer, optimizer_step, parse_args,
+                    pipeline_sigmas, rank_chunks, resume_checkpoint, run_directory, run_summary,
+                    save_eval_grid, save_state, score, seed_everything, select, setup_distributed,
+                    sum_over_ranks, swapped_in, training_minibatches, velocities, velocity)
 # algorithm specific
-from common import as_reference, ode_complete, rank_chunks, sde_mean_std, spaced_indices, training_minibatches
+from common import max_over_ranks, ode_complete, sde_mean_std, sde_step, spaced_indices
 
 
 @dataclass
@@ -83,7 +83,7 @@ class Args:
 
     # Algorithm specific arguments
     noise_level: float = 0.7
-    """a, the SDE noise level: std_dev_t = a sqrt(sigma / (1 - sigma))"""
+    """a, the SDE noise level: std_dev_t = a sqrt(sigma / (1 - sigma)) (none at an untrained last step)"""
     psi: str | None = None
     """a JSON file of per-step noise levels psi(t) from --calibrate (none: --noise-level at every step)"""
     dense_ode_steps: int | Literal["t"] = "t"
@@ -155,8 +155,8 @@ class Args:
 
 
 # --model toy: a ~2M-parameter Flux on 32x32 shapes (README: the toy world). Explicit flags still win.
-TOY = {**TOY_WORLD, "learning_rate": 1e-4, "noise_level": 0.5, "prompts_per_iteration": 4,
-       "timestep_fraction": 0.5, "global_std": False, "beta": 0.04, "updates_per_iteration": 1}
+TOY = {**TOY_WORLD, "learning_rate": 1e-4, "prompts_per_iteration": 4, "global_std": False, "beta": 0.04,
+       "noise_level": 0.5, "timestep_fraction": 0.5, "updates_per_iteration": 1}
 
 
 def check_args(args, world: int):
@@ -310,7 +310,6 @@ if __name__ == "__main__":
 
         # ALGO LOGIC: rollout (the SDE with psi(t) at every step), then ODE completions of every latent
         train_steps = list(range(n_train))
-        # an untrained last step is taken without noise (x - sigma v): no untrained noise in the image
         noise_levels = [psi[i] if i < T - 1 or i in train_steps else 0.0 for i in range(T)]
         train_steps = [j for j in train_steps if noise_levels[j] > 0]  # psi(t) = 0: no log-prob to train
         prompts = [train_prompts[i] for i in torch.randint(len(train_prompts), (P,), generator=gen)]
@@ -326,13 +325,10 @@ if __name__ == "__main__":
             for i in range(T):
                 v = velocities(transformer, kind, latents[i], sigmas[i], emb, rows=group, chunks=chunks,
                                guidance=args.guidance)
-                x_next = torch.empty_like(latents[i])
-                log_prob = torch.empty(P * G, device=device)
-                for c in chunks:  # the same micro-batches draw the noise, in order
-                    x_next[c], log_prob[c], _, _ = sde_step(v[c], latents[i][c], sigmas, i,
-                                                            noise_levels[i], generator=gen)
-                latents.append(x_next)
-                old_log_probs.append(log_prob)
+                steps = [sde_step(v[c], latents[i][c], sigmas, i, noise_levels[i], generator=gen)
+                         for c in chunks]  # the same micro-batches draw the noise, in order
+                latents.append(torch.cat([x_next for x_next, *_ in steps]))
+                old_log_probs.append(torch.cat([log_prob for _, log_prob, *_ in steps]))
                 sampler_velocities.append(v)
             # every latent x_0 .. x_{T-1} completed by the ODE, the sampler's v(x_i) its first step
             x0 = ode_complete(transformer, kind, torch.cat(latents[:T]), [p for p in paths for _ in group],
@@ -378,8 +374,7 @@ if __name__ == "__main__":
         sums = dict.fromkeys(["terms", "ratio_mean", "clipfrac", "approx_kl", "policy_loss", "kl"], 0.0)
         first_ratio_dev = 0.0  # max |ratio - 1| in the first mini-batch: 0 if sampling and training agree
         grad_norms = []
-        # the samples of every rank whose advantage is 0 at every trained step are dropped (the rest topped
-        # up) and the others shuffled into new mini-batches (Flow-GRPO's train_sd3.py), alike on every rank
+        # all ranks' samples but those of A = 0 at every step (train_sd3.py), shuffled alike on all ranks
         trained_advantages = gather_cat(advantages[train_steps].T.contiguous()).T
         same_on_ranks = iteration_generator(args.seed, iteration, 0, stream=1)
         micro_batches = -(-trained_advantages.shape[1] // args.micro_batch)  # as many as one process has
@@ -387,9 +382,10 @@ if __name__ == "__main__":
                                            micro_batches=micro_batches, generator=same_on_ranks)
         for u, minibatch in enumerate(minibatches):
             has_gradient = False
+            chunks = rank_chunks(minibatch, rank=rank, world=world, per_rank=P * G,
+                                 micro_batch=args.micro_batch, sharded=sharded)  # this rank's part of it
             for j in train_steps:
-                for c, weight in rank_chunks(minibatch, rank=rank, world=world, per_rank=P * G,
-                                             micro_batch=args.micro_batch, sharded=sharded):
+                for c, weight in chunks:
                     adv = advantages[j][c]
                     signal = weight > 0 and (args.beta > 0 or bool((adv != 0).any()))
                     if not signal and not sharded:
@@ -432,7 +428,7 @@ if __name__ == "__main__":
             if norm is not None:
                 grad_norms.append(norm)
             n_updates = iteration * args.updates_per_iteration + u + 1  # optimizer steps planned so far
-            if ema is not None and (n_updates + 1) % args.ema_every == 0:  # as Flow-GRPO: steps 7, 15, ...
+            if ema is not None and (n_updates + 1) % args.ema_every == 0:
                 ema_update(ema, list(params.values()), args.ema_decay, n_updates)
 
         # TRY NOT TO MODIFY: logging, evaluation, checkpoints

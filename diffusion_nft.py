@@ -12,15 +12,15 @@ import torch
 import tyro
 from tqdm import tqdm
 
-from common import (NFE, TOY_WORLD, RewardModels, check_common_args, combine_advantages, decode, ema_update,
-                    encode_prompts, evaluate_policy, fail, gather_cat, gathered, image_grid,
+from common import (NFE, TOY_WORLD, RewardModels, as_reference, check_common_args, combine_advantages, decode,
+                    ema_update, encode_prompts, evaluate_policy, fail, gather_cat, gathered, image_grid,
                     iteration_generator, latent_shape, load_pipeline, load_prompt_set, load_rewards,
-                    load_state, log_metrics, make_trainable, make_writer, optimizer_step,
-                    parse_args, pipeline_sigmas, resume_checkpoint, run_directory, run_summary,
+                    load_state, log_metrics, make_trainable, make_writer, optimizer_step, parse_args,
+                    pipeline_sigmas, rank_chunks, resume_checkpoint, run_directory, run_summary,
                     save_eval_grid, save_state, score, seed_everything, select, setup_distributed,
-                    sum_over_ranks, swapped_in, velocities, velocity)
+                    sum_over_ranks, swapped_in, training_minibatches, velocities, velocity)
 # algorithm specific
-from common import as_reference, dpm2_step, rank_chunks, training_minibatches
+from common import dpm2_step
 
 
 @dataclass
@@ -134,8 +134,8 @@ class Args:
 
 
 # --model toy: a ~2M-parameter Flux on 32x32 shapes (README: the toy world). Explicit flags still win.
-TOY = {**TOY_WORLD, "learning_rate": 1e-4, "prompts_per_iteration": 8, "timestep_fraction": 0.5,
-       "global_std": False, "beta": 0.04}
+TOY = {**TOY_WORLD, "learning_rate": 1e-4, "prompts_per_iteration": 8, "global_std": False, "beta": 0.04,
+       "timestep_fraction": 0.5}
 
 
 def check_args(args, world: int):
@@ -285,11 +285,15 @@ if __name__ == "__main__":
         timesteps = torch.rand(P * G * world, T, generator=same_on_ranks).argsort(1)[rank * P * G:][:P * G]
         for u, minibatch in enumerate(minibatches):
             has_gradient = False
+            chunks = rank_chunks(minibatch, rank=rank, world=world, per_rank=P * G,
+                                 micro_batch=args.micro_batch, sharded=sharded)  # this rank's part of it
             for j in train_steps:
                 eps = torch.randn(P * G * world, C, H, W, generator=same_on_ranks)[rank * P * G:][:P * G]
-                for c, weight in rank_chunks(minibatch, rank=rank, world=world, per_rank=P * G,
-                                             micro_batch=args.micro_batch, sharded=sharded):
-                    has_gradient = has_gradient or weight > 0
+                for c, weight in chunks:
+                    signal = weight > 0  # every sample has a loss, at A = 0 too
+                    if not signal and not sharded:
+                        continue  # no gradient (sharded runs run it: every rank joins the collectives)
+                    has_gradient = has_gradient or signal
                     emb_c = select(emb, group[c])
                     sigma = sigmas[timesteps[c, j]].to(device)
                     t = sigma.view(-1, 1, 1, 1)

@@ -1,7 +1,6 @@
 # Flow-GRPO (Liu et al., 2025, arXiv 2505.05470); docs: README.md#flow-grpo
-"""Flow-GRPO: SDE sampling at every step, one reward per image, its group-normalised advantage broadcast to
-every trained step (or shared out by CoCA's latent-similarity credit, --credit coca), a PPO-clipped ratio of
-per-step Gaussian log-likelihoods, and a KL to the reference model.
+"""Flow-GRPO: SDE sampling at every step, each image's group-normalised reward as every trained step's
+advantage (--credit coca: its share by CoCA's credit), a PPO-clipped ratio of per-step likelihoods, a KL.
 
 The defaults are the paper's setting; --model toy trains the embedded toy model on a CPU."""
 import os
@@ -13,15 +12,15 @@ import torch
 import tyro
 from tqdm import tqdm
 
-from common import (NFE, TOY_WORLD, RewardModels, check_common_args, combine_advantages, decode, ema_update,
-                    encode_prompts, evaluate_policy, fail, gather_cat, gathered, image_grid,
+from common import (NFE, TOY_WORLD, RewardModels, as_reference, check_common_args, combine_advantages, decode,
+                    ema_update, encode_prompts, evaluate_policy, fail, gather_cat, gathered, image_grid,
                     iteration_generator, latent_shape, load_pipeline, load_prompt_set, load_rewards,
-                    load_state, log_metrics, make_trainable, make_writer, max_over_ranks, optimizer_step,
-                    parse_args, pipeline_sigmas, resume_checkpoint, run_directory, run_summary,
-                    save_eval_grid, save_state, score, sde_step, seed_everything, select, setup_distributed,
-                    sum_over_ranks, swapped_in, velocities, velocity)
+                    load_state, log_metrics, make_trainable, make_writer, optimizer_step, parse_args,
+                    pipeline_sigmas, rank_chunks, resume_checkpoint, run_directory, run_summary,
+                    save_eval_grid, save_state, score, seed_everything, select, setup_distributed,
+                    sum_over_ranks, swapped_in, training_minibatches, velocities, velocity)
 # algorithm specific
-from common import as_reference, coca_credit, rank_chunks, sde_mean_std, training_minibatches
+from common import coca_credit, max_over_ranks, sde_mean_std, sde_step
 
 
 @dataclass
@@ -83,7 +82,7 @@ class Args:
 
     # Algorithm specific arguments
     noise_level: float = 0.7
-    """a, the SDE noise level: std_dev_t = a sqrt(sigma / (1 - sigma))"""
+    """a, the SDE noise level: std_dev_t = a sqrt(sigma / (1 - sigma)) (none at an untrained last step)"""
     timestep_fraction: float = 0.99
     """the first int(T * fraction) sampling steps are trained"""
     global_std: bool = True
@@ -143,8 +142,8 @@ class Args:
 
 
 # --model toy: a ~2M-parameter Flux on 32x32 shapes (README: the toy world). Explicit flags still win.
-TOY = {**TOY_WORLD, "learning_rate": 1e-4, "noise_level": 0.7, "prompts_per_iteration": 8,
-       "timestep_fraction": 0.5, "global_std": False, "beta": 0.04, "updates_per_iteration": 1}
+TOY = {**TOY_WORLD, "learning_rate": 1e-4, "prompts_per_iteration": 8, "global_std": False, "beta": 0.04,
+       "noise_level": 0.7, "timestep_fraction": 0.5, "updates_per_iteration": 1}
 
 
 def check_args(args, world: int):
@@ -255,7 +254,6 @@ if __name__ == "__main__":
 
         # ALGO LOGIC: rollout (the SDE at every sampling step)
         train_steps = list(range(n_train))
-        # an untrained last step is taken without noise (x - sigma v): no untrained noise in the image
         noise_levels = [args.noise_level if i < T - 1 or i in train_steps else 0.0 for i in range(T)]
         prompts = [train_prompts[i] for i in torch.randint(len(train_prompts), (P,), generator=gen)]
         group = torch.arange(P).repeat_interleave(G)  # sample -> its prompt
@@ -270,13 +268,10 @@ if __name__ == "__main__":
             for i in range(T):
                 v = velocities(transformer, kind, latents[i], sigmas[i], emb, rows=group, chunks=chunks,
                                guidance=args.guidance)
-                x_next = torch.empty_like(latents[i])
-                log_prob = torch.empty(P * G, device=device)
-                for c in chunks:  # the same micro-batches draw the noise, in order
-                    x_next[c], log_prob[c], _, _ = sde_step(v[c], latents[i][c], sigmas, i,
-                                                            noise_levels[i], generator=gen)
-                latents.append(x_next)
-                old_log_probs.append(log_prob)
+                steps = [sde_step(v[c], latents[i][c], sigmas, i, noise_levels[i], generator=gen)
+                         for c in chunks]  # the same micro-batches draw the noise, in order
+                latents.append(torch.cat([x_next for x_next, *_ in steps]))
+                old_log_probs.append(torch.cat([log_prob for _, log_prob, *_ in steps]))
                 if args.credit == "coca":  # for x0_hat_k below
                     sampler_velocities.append(v)
             images = torch.cat([decode(pipe, latents[-1][c]) for c in chunks])
@@ -295,15 +290,13 @@ if __name__ == "__main__":
             advantages = coca_credit(advantages, x0_hats, latents[T], window=args.coca_window,
                                      alpha=args.coca_alpha, group_size=G, trained=n_train)
             advantages = advantages.clamp(-args.adv_clip, args.adv_clip)  # clipped again, as CoCA's loss
-        else:  # Flow-GRPO: every step gets the image's advantage
-            advantages = advantages.expand(T, -1)
+        advantages = advantages.expand(T, -1)  # [T, N]: an advantage per step and sample
 
         # ALGO LOGIC: policy update (the PPO-clipped ratio of per-step log-probs, the KL to the reference)
         sums = dict.fromkeys(["terms", "ratio_mean", "clipfrac", "approx_kl", "policy_loss", "kl"], 0.0)
         first_ratio_dev = 0.0  # max |ratio - 1| in the first mini-batch: 0 if sampling and training agree
         grad_norms = []
-        # the samples of every rank whose advantage is 0 at every trained step are dropped (the rest topped
-        # up) and the others shuffled into new mini-batches (Flow-GRPO's train_sd3.py), alike on every rank
+        # all ranks' samples but those of A = 0 at every step (train_sd3.py), shuffled alike on all ranks
         trained_advantages = gather_cat(advantages[train_steps].T.contiguous()).T
         same_on_ranks = iteration_generator(args.seed, iteration, 0, stream=1)
         micro_batches = -(-trained_advantages.shape[1] // args.micro_batch)  # as many as one process has
@@ -311,9 +304,10 @@ if __name__ == "__main__":
                                            micro_batches=micro_batches, generator=same_on_ranks)
         for u, minibatch in enumerate(minibatches):
             has_gradient = False
+            chunks = rank_chunks(minibatch, rank=rank, world=world, per_rank=P * G,
+                                 micro_batch=args.micro_batch, sharded=sharded)  # this rank's part of it
             for j in train_steps:
-                for c, weight in rank_chunks(minibatch, rank=rank, world=world, per_rank=P * G,
-                                             micro_batch=args.micro_batch, sharded=sharded):
+                for c, weight in chunks:
                     adv = advantages[j][c]
                     signal = weight > 0 and (args.beta > 0 or bool((adv != 0).any()))
                     if not signal and not sharded:
@@ -356,7 +350,7 @@ if __name__ == "__main__":
             if norm is not None:
                 grad_norms.append(norm)
             n_updates = iteration * args.updates_per_iteration + u + 1  # optimizer steps planned so far
-            if ema is not None and (n_updates + 1) % args.ema_every == 0:  # as Flow-GRPO: steps 7, 15, ...
+            if ema is not None and (n_updates + 1) % args.ema_every == 0:
                 ema_update(ema, list(params.values()), args.ema_decay, n_updates)
 
         # TRY NOT TO MODIFY: logging, evaluation, checkpoints
