@@ -263,15 +263,16 @@ def load(a):
 def curves(run):
     """Per evaluation: iteration, cumulative NFE, cumulative seconds, and the mean of every metric (train = mean of
     the two training rewards, whatever the run trained on)."""
-    nfe, sec, cum = 0.0, 0.0, {0: (0.0, 0.0)}
+    nfe, sec, cpu, cum = 0.0, 0.0, 0.0, {0: (0.0, 0.0, 0.0)}
     for r in run["metrics"]:
         nfe, sec = nfe + r.get("perf/nfe_per_iteration", 0), sec + r.get("perf/seconds_per_iteration", 0)
-        cum[r["iteration"]] = (nfe, sec)
+        cpu += r.get("perf/cpu_seconds_per_iteration", 0)  # logged since the equal-compute comparison
+        cum[r["iteration"]] = (nfe, sec, cpu)
     out = []
     for i, e in sorted(((int(k), v) for k, v in run["evals"].items())):
         m = {k: sum(v) / len(v) for k, v in e.items()}
         m["train"] = (m[A] + m[B]) / 2
-        out.append({"iteration": i, "nfe": cum[i][0], "seconds": cum[i][1], **m})
+        out.append({"iteration": i, "nfe": cum[i][0], "seconds": cum[i][1], "cpu": cum[i][2], **m})
     return out
 
 
@@ -352,11 +353,12 @@ def overall(verdicts, kind):
     return "not supported" if "not supported" in verdicts and "supported" not in verdicts else "unresolved"
 
 
-def claim_rows(cv, claims):
+def claim_rows(cv, claims, keys=("iteration", "nfe")):
     """One row per claim (and one on the first FIRST_SEEDS seeds where a row has more): the difference of the
-    gains at equal iterations and at equal NFE (the last point both configs reach), with the verdicts."""
-    lines = ["| claim (a vs b) | seeds (a, b) | iterations | training reward | strict | verdict | NFE | "
-             "training reward | strict | verdict |", "|---|---|---|---|---|---|---|---|---|---|"]
+    gains at equal iterations and at equal NFE (or `keys`: the last point both configs reach), with the verdicts."""
+    names = {"iteration": "iterations", "nfe": "NFE", "cpu": "CPU s"}
+    lines = [f"| claim (a vs b) | seeds (a, b) | {names[keys[0]]} | training reward | strict | verdict | "
+             f"{names[keys[1]]} | training reward | strict | verdict |", "|---|---|---|---|---|---|---|---|---|---|"]
     for text, a, b, kind in claims:
         if a not in cv or b not in cv:
             continue
@@ -365,7 +367,7 @@ def claim_rows(cv, claims):
             subsets.append(({a: cv[a][:FIRST_SEEDS], b: cv[b][:FIRST_SEEDS]}, f", first {FIRST_SEEDS} seeds"))
         for sub, note in subsets:
             cells = [f"{text}{note} ({a} vs {b})", f"{len(sub[a])}, {len(sub[b])}"]
-            for key in ("iteration", "nfe"):
+            for key in keys:
                 value = min(x[-1][key] for x in sub[a] + sub[b])
                 verdicts = []
                 cells.append(f"{value:,.0f}")
@@ -399,15 +401,167 @@ def paper_table(cv, runs, title, rows, claims):
     return lines + ["", *claim_rows(cv, claims), ""]
 
 
+# ---------------------------------------------------------------- the equal-compute comparison (--equal)
+EQUAL_ROWS = {"flow_grpo": "Flow-GRPO", "flow_grpo_coca": "Flow-GRPO + CoCA", "dancegrpo": "DanceGRPO",
+              "mixgrpo": "MixGRPO", "mixgrpo_flash": "MixGRPO-Flash", "g2rpo_L123": "G2RPO, Lambda {1, 2, 3}",
+              "dense_calibrated": "DenseGRPO", "diffusion_nft": "DiffusionNFT", "awm": "AWM"}
+EFFICIENCY = [  # the papers' efficiency claims: (what the paper finds, a, b, kind), judged at equal NFE and CPU time
+    ("DiffusionNFT beats Flow-GRPO (its paper: 3x-25x faster)", "diffusion_nft", "flow_grpo", "better"),
+    ("AWM beats Flow-GRPO (its paper: up to 24x faster)", "awm", "flow_grpo", "better"),
+    ("MixGRPO-Flash beats MixGRPO (its paper: less time for a comparable reward)", "mixgrpo_flash", "mixgrpo",
+     "better")]
+BOOTSTRAP = 1000  # resamples of the seeds for the error bars of the NFE / CPU time to reach a reward
+
+
+def mean_curve(runs, key):
+    """[(mean key, mean change of the training reward from the base model)] over the seeds, per evaluation."""
+    points = {}
+    for x in runs:
+        for p in x:
+            points.setdefault(p["iteration"], []).append((p[key], p["train"] - x[0]["train"]))
+    return [(sum(u for u, _ in ps) / len(ps), sum(g for _, g in ps) / len(ps)) for _, ps in sorted(points.items())
+            if len(ps) == len(runs)]
+
+
+def reach(curve, target):
+    """The first x at which a mean curve [(x, gain)] reaches `target` (linear between evaluations), or None."""
+    for (x0, g0), (x1, g1) in zip(curve, curve[1:]):
+        if g0 >= target:
+            return x0
+        if g1 >= target:
+            return x0 + (x1 - x0) * (target - g0) / (g1 - g0)
+    return curve[-1][0] if curve and curve[-1][1] >= target else None
+
+
+def to_reach(runs, key, target, rng):
+    """(x at which the mean over seeds reaches target, its bootstrap SE over seeds, the resamples' values with None
+    where a resample never reaches it)."""
+    boots = [reach(mean_curve([rng.choice(runs) for _ in runs], key), target) for _ in range(BOOTSTRAP)]
+    hit = [b for b in boots if b is not None]
+    return reach(mean_curve(runs, key), target), (stats(hit)[1] if len(hit) > 1 else float("nan")), boots
+
+
+def reach_cell(value, se, boots):
+    if value is None:
+        return "not reached"
+    missed = sum(b is None for b in boots) / len(boots)
+    return f"{value:,.0f} +- {se:,.0f}" + (f" ({missed:.0%} of resamples never reach it)" if missed else "")
+
+
+def speedup_rows(cv, claims, eq_nfe, rng):
+    """a's speed-up on b: (b's NFE or CPU time to reach b's gain at equal NFE) / (a's), from the same resamples;
+    supported when the 2-SE interval lies above 1, not supported when below 1 (or a never reaches it within a run
+    that outlasts b's), else unresolved."""
+    lines = ["| claim (a vs b) | seeds (a, b) | NFE speed-up | verdict | CPU-time speed-up | verdict |",
+             "|---|---|---|---|---|---|"]
+    for text, a, b, _ in claims:
+        if a not in cv or b not in cv:
+            continue
+        target = stats(gains(cv[b], "nfe", eq_nfe, "train"))[0]
+        cells = [f"{text.split(' (')[0]}: speed-up ({a} vs {b})", f"{len(cv[a])}, {len(cv[b])}"]
+        for key in ("nfe", "cpu"):
+            (va, _, ba), (vb, _, bb) = to_reach(cv[a], key, target, rng), to_reach(cv[b], key, target, rng)
+            ratios = [y / x for x, y in zip(ba, bb) if x and y]
+            se = stats(ratios)[1] if len(ratios) > 1 else float("nan")
+            if va is None or not vb:
+                outlasts = min(x[-1][key] for x in cv[a]) >= (vb or 0)
+                cells += ["a never reaches it" if va is None else "b's gain is reached at 0",
+                          "**not supported**" if va is None and outlasts else "**unresolved**"]
+                continue
+            r = vb / max(va, 1e-9)
+            verdict = "supported" if r - 2 * se > 1 else "not supported" if r + 2 * se < 1 else "unresolved"
+            cells += [f"{r:.2f}x +- {se:.2f}", f"**{verdict}**"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def equal_compute(out):
+    """The headline section of the equal-compute comparison from <out>/raw/ (empty if it has no runs), and its
+    figure <out>/equal_compute.png."""
+    import random
+
+    import matplotlib.pyplot as plt
+
+    e = argparse.Namespace(equal=True, seeds=None, out=out)
+    runs = {c: rs for c, rs in load(argparse.Namespace(**vars(e), configs=list(EQUAL))).items()}
+    if not runs:
+        return []
+    cv = {c: [curves(r) for r in rs] for c, rs in runs.items()}
+    eq_nfe = min(x[-1]["nfe"] for xs in cv.values() for x in xs)
+    eq_cpu = min(x[-1]["cpu"] for xs in cv.values() for x in xs)
+    rng = random.Random(0)  # the bootstrap: the same resamples on every rebuild
+    base = cv.get("flow_grpo")
+    target = stats(gains(base, "nfe", eq_nfe, "train"))[0] if base else None
+    at_nfe, at_cpu = (lambda x, m: at(x, "nfe", eq_nfe, m)), (lambda x, m: at(x, "cpu", eq_cpu, m))  # noqa: E731
+    lines = ["## All methods at equal compute", "",
+             "Every file's toy preset, each run to at least the NFE of 60 Flow-GRPO iterations, evaluated every 10 "
+             "iterations on the same held-out pairs. Each row: the change from the base model, mean +- SE over seeds, "
+             f"of the training reward and the strict metric at equal NFE ({eq_nfe:,.0f}, the last NFE every run "
+             f"reaches) and at equal CPU time ({eq_cpu:,.0f} s: training only, one thread, `perf/cpu_seconds_per_"
+             "iteration`), and the NFE and CPU time at which the mean over seeds first reaches Flow-GRPO's change at "
+             f"equal NFE ({target:+.4f}; +- the SE of {BOOTSTRAP} bootstrap resamples of the seeds). Claims: the rules "
+             "of the papers' tables below; a speed-up (b's NFE or CPU time to reach b's change at equal NFE over a's) is "
+             "supported when its 2-SE interval lies above 1, not supported when it lies below 1 or when a never "
+             "reaches that change in a run longer than b needed." if target is not None else
+             "(no Flow-GRPO runs yet)", "",
+             f"| method | config | seeds | iterations | NFE per iteration | CPU s per iteration | training reward, "
+             f"{eq_nfe:,.0f} NFE | strict, {eq_nfe:,.0f} NFE | training reward, {eq_cpu:,.0f} CPU s | strict, "
+             f"{eq_cpu:,.0f} CPU s | NFE to reach Flow-GRPO | CPU s to reach Flow-GRPO |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for c, name in EQUAL_ROWS.items():
+        if c not in cv:
+            continue
+        per_it = [r for run in runs[c] for r in run["metrics"] if "perf/nfe_per_iteration" in r]
+        cells = [name, c, str(len(cv[c])), str(cv[c][0][-1]["iteration"]),
+                 f"{stats([r['perf/nfe_per_iteration'] for r in per_it])[0]:,.0f}",
+                 f"{stats([r['perf/cpu_seconds_per_iteration'] for r in per_it])[0]:.1f}"]
+        cells += [change(cv[c], pick, m) for pick in (at_nfe, at_cpu) for m in ("train", S)]
+        cells += [reach_cell(*to_reach(cv[c], key, target, rng)) if target is not None else "-" for key in ("nfe", "cpu")]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", *claim_rows(cv, EFFICIENCY, keys=("nfe", "cpu")), ""]
+    if target is not None:
+        lines += [*speedup_rows(cv, EFFICIENCY, eq_nfe, rng), ""]
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+    for ax, key, label in zip(axes, ("nfe", "cpu"), ("NFE (transformer forwards)", "training CPU time (s, one thread)")):
+        for c, name in EQUAL_ROWS.items():
+            if c not in cv:
+                continue
+            points = {}
+            for x in cv[c]:
+                for p in x[1:]:
+                    points.setdefault(p["iteration"], []).append((p[key], p["train"] - x[0]["train"]))
+            xs = [stats([u for u, _ in points[i]])[0] for i in sorted(points)]
+            ys = [stats([g for _, g in points[i]]) for i in sorted(points)]
+            m = [y[0] for y in ys]
+            se = [y[1] / math.sqrt(y[2]) if y[2] > 1 else 0.0 for y in ys]
+            ax.plot(xs, m, marker="o", ms=3, label=f"{name} (n = {len(cv[c])})")
+            ax.fill_between(xs, [u - v for u, v in zip(m, se)], [u + v for u, v in zip(m, se)], alpha=0.15)
+        if target is not None:
+            ax.axhline(target, color="k", ls="--", lw=0.8, label="Flow-GRPO at equal NFE")
+        ax.set(xscale="log", xlabel=label, ylabel="change of the training reward (ODE eval)")
+        ax.grid(alpha=0.3, which="both")
+    axes[0].legend(fontsize=7)
+    fig.suptitle("All methods at equal compute: mean over seeds (band: +- SE over seeds)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "equal_compute.png"), dpi=100)
+    plt.close(fig)
+    return lines
+
+
 def summarize(a):
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    equal = equal_compute(os.path.join(a.out, "equal"))
     runs = load(a)
-    if not runs:
+    if not runs and not equal:
         sys.exit(f"error: no finished runs under {os.path.join(a.out, 'raw')}; run without --summary-only first")
+    if not runs:  # only the equal-compute comparison so far
+        with open(os.path.join(a.out, "headline.md"), "w") as f:
+            f.write("\n".join(equal))
+        return print("\n".join(equal))
     cv = {c: [curves(r) for r in rs] for c, rs in runs.items()}
     metrics = [A, B, "train", S]
     eq_iter = min(x[-1]["iteration"] for xs in cv.values() for x in xs)
@@ -465,7 +619,7 @@ def summarize(a):
     with open(os.path.join(a.out, "tables.md"), "w") as f:
         f.write("\n".join(lines))
     with open(os.path.join(a.out, "headline.md"), "w") as f:  # the README's tables
-        f.write("\n".join(papers))
+        f.write("\n".join(equal + papers))
 
     def band(ax, configs, x_key, metric):
         """Mean over the seeds that have an evaluation at each iteration, +- the standard error where n > 1."""
@@ -529,6 +683,9 @@ def main():
         sys.exit("error: --workers, --eval-every and --min-iterations must be >= 1 and --budget-nfe > 0")
     if not a.summary_only:
         run_all(a)
+    if a.equal:  # the summary of both comparisons: the papers' runs beside equal/
+        a = argparse.Namespace(**{**vars(a), "equal": False, "seeds": None, "out": os.path.dirname(a.out),
+                                  "configs": [c for c in CONFIGS if CONFIGS[c][2]]})
     summarize(a)
 
 

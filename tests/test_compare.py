@@ -3,6 +3,7 @@ that writes raw logs, tables and plots and skips finished runs when run again.""
 import argparse
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -27,6 +28,40 @@ def test_plan_gives_each_config_the_nfe_budget_in_whole_evaluation_blocks():
         assert n == 10 or (n - 5) * nfe < 61_440, c  # the smallest such count
     a.iterations = 3
     assert set(compare.plan(a).values()) == {3}
+
+
+def test_the_equal_compute_plan_gives_every_file_at_least_60_flow_grpo_iterations_of_nfe():
+    a = argparse.Namespace(iterations=0, eval_every=10, min_iterations=10, budget_nfe=compare.EQUAL_SETTINGS["budget_nfe"],
+                           configs=list(compare.EQUAL), equal=True, seeds=None)
+    iters = compare.plan(a)
+    assert compare.EQUAL_SETTINGS["budget_nfe"] == 60 * compare.planned_per_iteration("flow_grpo") == 184_320
+    assert iters["flow_grpo"] == 60 and iters["diffusion_nft"] == 50 and iters["awm"] == 60
+    for c, n in iters.items():
+        nfe = compare.planned_per_iteration(c)
+        assert n % 10 == 0 and n * nfe >= 184_320 and (n - 10) * nfe < 184_320, c
+    assert {c: len(compare.seeds_of(a, c)) for c in compare.EQUAL} == compare.EQUAL
+    assert min(compare.EQUAL.values()) >= 5 and all(compare.EQUAL[c] == 10 for _, x, y, _ in compare.EFFICIENCY
+                                                      for c in (x, y))
+
+
+def test_the_nfe_to_reach_a_reward_and_the_speed_up():
+    curve = [(0.0, 0.0), (100.0, 0.01), (200.0, 0.03)]
+    assert compare.reach(curve, 0.02) == pytest.approx(150.0)
+    assert compare.reach(curve, 0.0) == 0.0 and compare.reach(curve, 0.031) is None
+
+    def run(gain, nfe_per_iteration):  # the gain grows linearly with the iterations, 0 .. 20
+        return [{"iteration": i, "nfe": nfe_per_iteration * i, "cpu": nfe_per_iteration * i / 100,
+                 "train": 0.5 + gain * i / 20, compare.S: 0.5} for i in (0, 10, 20)]
+    cv = {"a": [run(g, 50.0) for g in (0.03, 0.031, 0.029)], "b": [run(g, 100.0) for g in (0.03, 0.032, 0.028)]}
+    assert compare.mean_curve(cv["b"], "nfe") == [(0.0, 0.0), (1000.0, pytest.approx(0.015)),
+                                                 (2000.0, pytest.approx(0.03))]
+    # b reaches its own gain at 2,000 NFE, a at half its per-iteration cost: a speed-up of about 2
+    (row,) = compare.speedup_rows(cv, [("a beats b", "a", "b", "better")], 2000.0, random.Random(0))[2:]
+    cells = row.split(" | ")
+    assert cells[2].startswith(("1.9", "2.0", "2.1")) and cells[3] == "**supported**", row
+    cv["a"] = [run(0.01, 150.0) for _ in range(3)]  # below b's gain all through a longer run: slower
+    (row,) = compare.speedup_rows(cv, [("a beats b", "a", "b", "better")], 2000.0, random.Random(0))[2:]
+    assert "a never reaches it | **not supported**" in row
 
 
 def test_interpolation_between_evaluations():
@@ -107,6 +142,23 @@ def test_tiny_comparison_end_to_end_and_resumable(tmp_path):
     assert {f: (out / f).read_bytes() for f in made} == made  # byte for byte from raw/
     again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0 and "0 runs to do" in again.stdout, again.stdout[-2000:] + again.stderr[-2000:]
+    # the equal-compute comparison beside it: DiffusionNFT against Flow-GRPO, in the headline first
+    equal = [sys.executable, os.path.join(ROOT, "results", "compare.py"), "--equal", "--configs", "flow_grpo",
+             "diffusion_nft", "--seeds", "0", "1", "--iterations", "2", "--eval-every", "1", "--eval-num", "4",
+             "--extra", " ".join(tiny), "--runs-dir", str(tmp_path / "runs_equal"), "--out", str(out / "equal")]
+    done = subprocess.run(equal, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    headline = open(out / "headline.md").read()
+    assert headline.startswith("## All methods at equal compute") and "## The papers' tables on the toy" in headline
+    for row in ("| Flow-GRPO | flow_grpo | 2 | 2 |", "| DiffusionNFT | diffusion_nft | 2 | 2 |",
+                "| DiffusionNFT beats Flow-GRPO (its paper: 3x-25x faster) (diffusion_nft vs flow_grpo) | 2, 2 |",
+                "| DiffusionNFT beats Flow-GRPO: speed-up (diffusion_nft vs flow_grpo) | 2, 2 |"):
+        assert row in headline, row
+    assert all(r["perf/cpu_seconds_per_iteration"] > 0 for r in
+               json.load(open(out / "equal" / "raw" / "diffusion_nft__seed1.json"))["metrics"][1:])
+    made = {f: p.read_bytes() for f in ("headline.md", "tables.md", "equal/equal_compute.png") for p in [out / f]}
+    rebuilt = subprocess.run([*cmd, "--summary-only"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert rebuilt.returncode == 0 and {f: (out / f).read_bytes() for f in made} == made
     changed = subprocess.run([*cmd[:-4], "--eval-num", "8", *cmd[-4:]], cwd=ROOT, capture_output=True, text=True,
                              timeout=300)
     assert changed.returncode == 1 and "was made with" in changed.stderr and "not {" in changed.stderr, changed.stderr
