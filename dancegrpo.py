@@ -14,12 +14,13 @@ import tyro
 from tqdm import tqdm
 
 from common import (NFE, TOY_WORLD, RewardModels, check_common_args, combine_advantages, decode, ema_update,
-                    encode_prompts, evaluate_policy, fail, gather_cat, gathered, image_grid,
-                    iteration_generator, latent_shape, load_pipeline, load_prompt_set, load_rewards,
-                    load_state, log_metrics, make_trainable, make_writer, max_over_ranks, optimizer_step,
-                    parse_args, pipeline_sigmas, resume_checkpoint, run_directory, run_summary,
-                    save_eval_grid, save_state, score, sde_step, seed_everything, select, setup_distributed,
-                    sum_over_ranks, swapped_in, velocities, velocity)
+                    encode_prompts, evaluate_policy, fail, gather_cat, gathered, iteration_generator,
+                    latent_shape, load_pipeline, load_prompt_set, load_rewards, make_trainable,
+                    max_over_ranks, optimizer_step, parse_args, pipeline_sigmas, score, sde_step,
+                    seed_everything, select, setup_distributed, sum_over_ranks, swapped_in, velocities,
+                    velocity)
+from rundir import (image_grid, load_state, log_metrics, make_writer, resume_checkpoint, run_directory,
+                    run_summary, save_eval_grid, save_state)
 # algorithm specific
 from common import as_reference, sde_mean_std, shifted_sigmas
 

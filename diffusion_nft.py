@@ -13,12 +13,13 @@ import tyro
 from tqdm import tqdm
 
 from common import (NFE, TOY_WORLD, RewardModels, as_reference, check_common_args, combine_advantages, decode,
-                    ema_update, encode_prompts, evaluate_policy, fail, gather_cat, gathered, image_grid,
+                    ema_update, encode_prompts, evaluate_policy, fail, gather_cat, gathered,
                     iteration_generator, latent_shape, load_pipeline, load_prompt_set, load_rewards,
-                    load_state, log_metrics, make_trainable, make_writer, optimizer_step, parse_args,
-                    pipeline_sigmas, rank_chunks, resume_checkpoint, run_directory, run_summary,
-                    save_eval_grid, save_state, score, seed_everything, select, setup_distributed,
-                    sum_over_ranks, swapped_in, training_minibatches, velocities, velocity)
+                    make_trainable, optimizer_step, parse_args, pipeline_sigmas, rank_chunks, score,
+                    seed_everything, select, setup_distributed, sum_over_ranks, swapped_in,
+                    training_minibatches, velocities, velocity)
+from rundir import (image_grid, load_state, log_metrics, make_writer, resume_checkpoint, run_directory,
+                    run_summary, save_eval_grid, save_state)
 # algorithm specific
 from common import dpm2_step
 

@@ -42,8 +42,9 @@ import tyro
 
 from common import (ARG_RANGES, MODEL_ALIASES, RewardModels, broadcast_object, check_output_path,
                     check_ranges, check_rewards, decode, encode_prompts, fail, gather_cat, latent_shape,
-                    latest_checkpoint, load_pipeline, load_prompt_set, load_rewards, loggable, ode_complete,
-                    paired_change, parse_args, pipeline_sigmas, score, setup_distributed)
+                    load_pipeline, load_prompt_set, load_rewards, loggable, ode_complete, parse_args,
+                    pipeline_sigmas, score, setup_distributed)
+from rundir import latest_checkpoint, paired_change
 
 
 @dataclass

@@ -9,7 +9,7 @@ random-initialised models of the real sizes built from their configs, no downloa
 - common.load_rewards returns rewards.py's own reward functions (open_clip_reward, pickscore_reward,
   imagereward_reward, aesthetic_reward) fed random models of estimate.reward_spec's sizes (open_clip ViT-H-14
   for hps / clip, PickScore's CLIP-H, ImageReward's BLIP): bf16 towers, float32 heads, as in training;
-- common.save_state is counted, not run (writing a 1-3 GB checkpoint is not what this checks).
+- rundir.save_state is counted, not run (writing a 1-3 GB checkpoint is not what this checks).
 Per phase it records the peak of torch.cuda.max_memory_allocated (wrapped: common.encode_prompts -> encode,
 common.velocity without grad -> rollout and with grad (or the reference's, inside training) -> training step,
 common.decode -> decode, the reward functions -> rewards, common.optimizer_step -> optimizer step; the peak
@@ -303,6 +303,7 @@ def run_configuration(command, *, pipe, kind, tiny, device, tmp, prompts):
     import tyro
 
     import common
+    import rundir
 
     name, script, argv, world = command
     out_dir = tempfile.mkdtemp(prefix=key(name, script, argv) + "-", dir=tmp)
@@ -335,7 +336,7 @@ def run_configuration(command, *, pipe, kind, tiny, device, tmp, prompts):
     with contextlib.ExitStack() as stack:
         stack.enter_context(estimate.patched(common, "load_pipeline", load_pipeline))
         stack.enter_context(estimate.patched(common, "load_rewards", load_rewards))
-        stack.enter_context(estimate.patched(common, "save_state", save_state))
+        stack.enter_context(estimate.patched(rundir, "save_state", save_state))
         for fn, phase in (("encode_prompts", "encode"), ("velocity", velocity_phase(phases)),
                           ("decode", "decode")):
             stack.enter_context(estimate.patched(common, fn, wrapped(getattr(common, fn), phases, phase)))
@@ -355,7 +356,7 @@ def run_configuration(command, *, pipe, kind, tiny, device, tmp, prompts):
     for run in os.listdir(out_dir):
         path = os.path.join(out_dir, run, "metrics.jsonl")
         if os.path.isfile(path):
-            rows = common.read_jsonl(path)
+            rows = rundir.read_jsonl(path)
     iteration = {k: v for r in rows if r.get("iteration") == 1 for k, v in r.items()}
     result.update(iterations=len({r["iteration"] for r in rows}), checkpoints_saved=len(saved),
                   seconds_per_iteration=iteration.get("perf/seconds_per_iteration"),

@@ -6,7 +6,7 @@
   one's (LoRA path): RoPE must stay float32.
 - "bookkeeping": the length of a sharded reference model's FSDP2 forward record after each of 5 "iterations"
   of no-grad forwards inside common.as_reference.
-- "resume": the checkpoint common.resume_checkpoint picks on each rank when rank 1's own listing would pick
+- "resume": the checkpoint rundir.resume_checkpoint picks on each rank when rank 1's own listing would pick
   another one (a stale network file system).
 Rank 0 writes the results to OUT.json.
 """
@@ -18,7 +18,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "toy")]
-import common  # noqa: E402
+import rundir  # noqa: E402
 from common import as_reference, make_trainable, setup_distributed, velocity  # noqa: E402
 from tiny import build_flux  # noqa: E402
 
@@ -71,13 +71,13 @@ if __name__ == "__main__":
     import flow_grpo
 
     args = flow_grpo.Args()
-    real = common.latest_checkpoint
+    real = rundir.latest_checkpoint
     if rank == 1:  # this rank's listing is stale: it would pick another checkpoint
-        common.latest_checkpoint = lambda path: os.path.join(checkpoints, "checkpoints", "iter_1")
+        rundir.latest_checkpoint = lambda path: os.path.join(checkpoints, "checkpoints", "iter_1")
     try:
-        ckpt, iteration = common.resume_checkpoint(checkpoints, args=args, world=world, script="flow_grpo.py")
+        ckpt, iteration = rundir.resume_checkpoint(checkpoints, args=args, world=world, script="flow_grpo.py")
     finally:
-        common.latest_checkpoint = real
+        rundir.latest_checkpoint = real
     picked = [None] * world
     torch.distributed.all_gather_object(picked, [ckpt, iteration])
     result["resume"] = picked

@@ -64,7 +64,7 @@ def checkpoint(root, args, iteration=3, script="flow_grpo.py", world=1, sharded=
 
 
 def test_resume_paths(tmp_path):
-    from common import latest_checkpoint
+    from rundir import latest_checkpoint
 
     ckpt = checkpoint(tmp_path / "run", flow_grpo.Args())
     assert latest_checkpoint(str(ckpt) + "/") == str(ckpt) == latest_checkpoint(str(tmp_path / "run") + "/")
@@ -86,7 +86,7 @@ def test_resume_paths(tmp_path):
 def test_resume_refuses_what_it_cannot_honour(tmp_path, saved, now, world, message):
     """Before any model loads, in one line: another algorithm file, model, LoRA vs full fine-tuning, LoRA shape,
     EMA, or the world size of a sharded run."""
-    from common import resume_checkpoint
+    from rundir import resume_checkpoint
 
     fields = {k: v for k, v in saved.items() if k in ("full_finetune",)}
     checkpoint(tmp_path / "run", flow_grpo.Args(**fields), script=saved.get("script", "flow_grpo.py"),
@@ -96,7 +96,7 @@ def test_resume_refuses_what_it_cannot_honour(tmp_path, saved, now, world, messa
 
 
 def test_unreadable_checkpoint(tmp_path):
-    from common import resume_checkpoint
+    from rundir import resume_checkpoint
 
     path = checkpoint(tmp_path / "run", flow_grpo.Args())
     (path / "run.json").write_text("{not json")
@@ -390,10 +390,11 @@ def test_every_numeric_argument_is_checked_before_any_model_loads(name, tmp_path
 
 @pytest.mark.slow
 def test_copying_one_file_as_the_readme_says(tmp_path):
-    """README "Copying one file into your project", literally, in an empty directory: mixgrpo.py and common.py train
-    the toy pipeline (given by its path: its toy_world.json gives it the TOY preset) on --rewards jpeg; the toy
-    rewards need toy/world.py, a one-line error until it is copied, then they train; the learned rewards name
-    rewards.py; --model toy names the toy model's place. The summary counts in seconds below a minute."""
+    """README "Copying one file into your project", literally, in an empty directory: mixgrpo.py, common.py and
+    rundir.py train the toy pipeline (given by its path: its toy_world.json gives it the TOY preset) on --rewards
+    jpeg; the toy rewards need toy/world.py, a one-line error until it is copied, then they train; the learned
+    rewards name rewards.py; --model toy names the toy model's place. The summary counts in seconds below a
+    minute; without rundir.py the file does not start."""
     import shutil
     import subprocess
     import sys
@@ -402,7 +403,7 @@ def test_copying_one_file_as_the_readme_says(tmp_path):
 
     project = tmp_path / "project"
     project.mkdir()
-    for f in ("mixgrpo.py", "common.py"):
+    for f in ("mixgrpo.py", "common.py", "rundir.py"):
         shutil.copy(os.path.join(ROOT, f), project)
     (project / "prompts.txt").write_text("a red circle on the left\na blue square on the top\n")
     toy_model = os.path.join(ROOT, "toy", "flux-shapes")
@@ -432,6 +433,8 @@ def test_copying_one_file_as_the_readme_says(tmp_path):
     assert learned.stderr.strip().splitlines()[-1].startswith("error: rewards.py is missing: copy this project's "
                                                               "rewards.py next to common.py"), learned.stderr[-500:]
     alias = run("--model", "toy", *small)
+    os.remove(project / "rundir.py")
+    assert "No module named 'rundir'" in run("--model", toy_model, *small).stderr
     assert alias.stderr.strip().splitlines()[-1].startswith(f"error: the toy model is not at "
                                                             f"'{project / 'toy' / 'flux-shapes'}': copy"), alias.stderr
 
