@@ -411,6 +411,7 @@ EFFICIENCY = [  # the papers' efficiency claims: (what the paper finds, a, b, ki
     ("MixGRPO-Flash beats MixGRPO (its paper: less time for a comparable reward)", "mixgrpo_flash", "mixgrpo",
      "better")]
 BOOTSTRAP = 1000  # resamples of the seeds for the error bars of the NFE / CPU time to reach a reward
+MIN_SEEDS = 3  # a speed-up's verdict needs this many seeds on each side (2 seeds have only 3 distinct resamples)
 
 
 def mean_curve(runs, key):
@@ -451,7 +452,7 @@ def reach_cell(value, se, boots):
 def speedup_rows(cv, claims, eq_nfe, rng):
     """a's speed-up on b: (b's NFE or CPU time to reach b's gain at equal NFE) / (a's), from the same resamples;
     supported when the 2-SE interval lies above 1, not supported when below 1 (or a never reaches it within a run
-    that outlasts b's), else unresolved."""
+    that outlasts b's), else unresolved; unresolved with fewer than MIN_SEEDS seeds on either side."""
     lines = ["| claim (a vs b) | seeds (a, b) | NFE speed-up | verdict | CPU-time speed-up | verdict |",
              "|---|---|---|---|---|---|"]
     for text, a, b, _ in claims:
@@ -470,6 +471,9 @@ def speedup_rows(cv, claims, eq_nfe, rng):
                 continue
             r = vb / max(va, 1e-9)
             verdict = "supported" if r - 2 * se > 1 else "not supported" if r + 2 * se < 1 else "unresolved"
+            if min(len(cv[a]), len(cv[b])) < MIN_SEEDS:
+                cells += [f"{r:.2f}x (fewer than {MIN_SEEDS} seeds: no verdict)", "**unresolved**"]
+                continue
             cells += [f"{r:.2f}x +- {se:.2f}", f"**{verdict}**"]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
@@ -502,7 +506,8 @@ def equal_compute(out):
              f"equal NFE ({target:+.4f}; +- the SE of {BOOTSTRAP} bootstrap resamples of the seeds). Claims: the rules "
              "of the papers' tables below; a speed-up (b's NFE or CPU time to reach b's change at equal NFE over a's) is "
              "supported when its 2-SE interval lies above 1, not supported when it lies below 1 or when a never "
-             "reaches that change in a run longer than b needed." if target is not None else
+             f"reaches that change in a run longer than b needed; with fewer than {MIN_SEEDS} seeds on either side it is "
+             "unresolved." if target is not None else
              "(no Flow-GRPO runs yet)", "",
              f"| method | config | seeds | iterations | NFE per iteration | CPU s per iteration | training reward, "
              f"{eq_nfe:,.0f} NFE | strict, {eq_nfe:,.0f} NFE | training reward, {eq_cpu:,.0f} CPU s | strict, "
