@@ -13,6 +13,7 @@ import argparse
 import json
 import math
 import os
+import random
 import shutil
 import signal
 import subprocess
@@ -434,9 +435,11 @@ def reach(curve, target):
     return curve[-1][0] if curve and curve[-1][1] >= target else None
 
 
-def to_reach(runs, key, target, rng):
+def to_reach(runs, key, target, *, config):
     """(x at which the mean over seeds reaches target, its bootstrap SE over seeds, the resamples' values with None
-    where a resample never reaches it)."""
+    where a resample never reaches it). The resamples depend on the config and key only: the same on every rebuild,
+    whatever other rows exist, and the same in a row's cell and in its speed-ups."""
+    rng = random.Random(f"{config}/{key}")
     boots = [reach(mean_curve([rng.choice(runs) for _ in runs], key), target) for _ in range(BOOTSTRAP)]
     hit = [b for b in boots if b is not None]
     return reach(mean_curve(runs, key), target), (stats(hit)[1] if len(hit) > 1 else float("nan")), boots
@@ -449,7 +452,7 @@ def reach_cell(value, se, boots):
     return f"{value:,.0f} +- {se:,.0f}" + (f" ({missed:.0%} of resamples never reach it)" if missed else "")
 
 
-def speedup_rows(cv, claims, eq_nfe, rng):
+def speedup_rows(cv, claims, eq_nfe):
     """a's speed-up on b: (b's NFE or CPU time to reach b's gain at equal NFE) / (a's), from the same resamples;
     supported when the 2-SE interval lies above 1, not supported when below 1 (or a never reaches it within a run
     that outlasts b's), else unresolved; unresolved with fewer than MIN_SEEDS seeds on either side."""
@@ -461,7 +464,7 @@ def speedup_rows(cv, claims, eq_nfe, rng):
         target = stats(gains(cv[b], "nfe", eq_nfe, "train"))[0]
         cells = [f"{text.split(' (')[0]}: speed-up ({a} vs {b})", f"{len(cv[a])}, {len(cv[b])}"]
         for key in ("nfe", "cpu"):
-            (va, _, ba), (vb, _, bb) = to_reach(cv[a], key, target, rng), to_reach(cv[b], key, target, rng)
+            (va, _, ba), (vb, _, bb) = to_reach(cv[a], key, target, config=a), to_reach(cv[b], key, target, config=b)
             ratios = [y / x for x, y in zip(ba, bb) if x and y]
             se = stats(ratios)[1] if len(ratios) > 1 else float("nan")
             if va is None or not vb:
@@ -482,8 +485,6 @@ def speedup_rows(cv, claims, eq_nfe, rng):
 def equal_compute(out):
     """The headline section of the equal-compute comparison from <out>/raw/ (empty if it has no runs), and its
     figure <out>/equal_compute.png."""
-    import random
-
     import matplotlib.pyplot as plt
 
     e = argparse.Namespace(equal=True, seeds=None, out=out)
@@ -493,7 +494,6 @@ def equal_compute(out):
     cv = {c: [curves(r) for r in rs] for c, rs in runs.items()}
     eq_nfe = min(x[-1]["nfe"] for xs in cv.values() for x in xs)
     eq_cpu = min(x[-1]["cpu"] for xs in cv.values() for x in xs)
-    rng = random.Random(0)  # the bootstrap: the same resamples on every rebuild
     base = cv.get("flow_grpo")
     target = stats(gains(base, "nfe", eq_nfe, "train"))[0] if base else None
     at_nfe, at_cpu = (lambda x, m: at(x, "nfe", eq_nfe, m)), (lambda x, m: at(x, "cpu", eq_cpu, m))  # noqa: E731
@@ -521,11 +521,11 @@ def equal_compute(out):
                  f"{stats([r['perf/nfe_per_iteration'] for r in per_it])[0]:,.0f}",
                  f"{stats([r['perf/cpu_seconds_per_iteration'] for r in per_it])[0]:.1f}"]
         cells += [change(cv[c], pick, m) for pick in (at_nfe, at_cpu) for m in ("train", S)]
-        cells += [reach_cell(*to_reach(cv[c], key, target, rng)) if target is not None else "-" for key in ("nfe", "cpu")]
+        cells += [reach_cell(*to_reach(cv[c], key, target, config=c)) if target is not None else "-" for key in ("nfe", "cpu")]
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", *claim_rows(cv, EFFICIENCY, keys=("nfe", "cpu")), ""]
     if target is not None:
-        lines += [*speedup_rows(cv, EFFICIENCY, eq_nfe, rng), ""]
+        lines += [*speedup_rows(cv, EFFICIENCY, eq_nfe), ""]
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
     for ax, key, label in zip(axes, ("nfe", "cpu"), ("NFE (transformer forwards)", "training CPU time (s, one thread)")):
         for c, name in EQUAL_ROWS.items():

@@ -3,7 +3,6 @@ that writes raw logs, tables and plots and skips finished runs when run again.""
 import argparse
 import json
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -56,14 +55,22 @@ def test_the_nfe_to_reach_a_reward_and_the_speed_up():
     assert compare.mean_curve(cv["b"], "nfe") == [(0.0, 0.0), (1000.0, pytest.approx(0.015)),
                                                  (2000.0, pytest.approx(0.03))]
     # b reaches its own gain at 2,000 NFE, a at half its per-iteration cost: a speed-up of about 2
-    (row,) = compare.speedup_rows(cv, [("a beats b", "a", "b", "better")], 2000.0, random.Random(0))[2:]
+    (row,) = compare.speedup_rows(cv, [("a beats b", "a", "b", "better")], 2000.0)[2:]
     cells = row.split(" | ")
     assert cells[2].startswith(("1.9", "2.0", "2.1")) and cells[3] == "**supported**", row
     cv["a"] = [run(0.01, 150.0) for _ in range(3)]  # below b's gain all through a longer run: slower
-    (row,) = compare.speedup_rows(cv, [("a beats b", "a", "b", "better")], 2000.0, random.Random(0))[2:]
+    (row,) = compare.speedup_rows(cv, [("a beats b", "a", "b", "better")], 2000.0)[2:]
     assert "a never reaches it | **not supported**" in row
+    # the bootstrap of a row depends on its own runs only: another config's rows, before or beside it, change nothing
+    cv = {"a": [run(g, 50.0) for g in (0.03, 0.031, 0.029)], "b": [run(g, 100.0) for g in (0.03, 0.032, 0.028)]}
+    alone = compare.speedup_rows(cv, [("a beats b", "a", "b", "better")], 2000.0)
+    cv["c"] = [run(g, 70.0) for g in (0.02, 0.04)]
+    compare.to_reach(cv["c"], "nfe", 0.03, config="c")
+    assert compare.speedup_rows(cv, [("c beats b", "c", "b", "better"), ("a beats b", "a", "b", "better")],
+                                2000.0)[3:] == alone[2:]
+    assert compare.to_reach(cv["a"], "cpu", 0.03, config="a") == compare.to_reach(cv["a"], "cpu", 0.03, config="a")
     cv = {"a": [run(0.03, 50.0)] * 2, "b": [run(0.03, 100.0)] * 5}  # too few seeds of a for a bootstrap verdict
-    (row,) = compare.speedup_rows(cv, [("a beats b", "a", "b", "better")], 2000.0, random.Random(0))[2:]
+    (row,) = compare.speedup_rows(cv, [("a beats b", "a", "b", "better")], 2000.0)[2:]
     assert "2.00x (fewer than 3 seeds: no verdict) | **unresolved**" in row
 
 
