@@ -437,8 +437,8 @@ def reach(curve, target):
 
 def to_reach(runs, key, target, *, config):
     """(x at which the mean over seeds reaches target, its bootstrap SE over seeds, the resamples' values with None
-    where a resample never reaches it). The resamples depend on the config and key only: the same on every rebuild,
-    whatever other rows exist, and the same in a row's cell and in its speed-ups."""
+    where a resample never reaches it). The resamples depend on the config and key only: the same on every
+    rebuild, whatever other rows exist, and the same in a row's cell and in its speed-ups."""
     rng = random.Random(f"{config}/{key}")
     boots = [reach(mean_curve([rng.choice(runs) for _ in runs], key), target) for _ in range(BOOTSTRAP)]
     hit = [b for b in boots if b is not None]
@@ -464,7 +464,8 @@ def speedup_rows(cv, claims, eq_nfe):
         target = stats(gains(cv[b], "nfe", eq_nfe, "train"))[0]
         cells = [f"{text.split(' (')[0]}: speed-up ({a} vs {b})", f"{len(cv[a])}, {len(cv[b])}"]
         for key in ("nfe", "cpu"):
-            (va, _, ba), (vb, _, bb) = to_reach(cv[a], key, target, config=a), to_reach(cv[b], key, target, config=b)
+            va, _, ba = to_reach(cv[a], key, target, config=a)
+            vb, _, bb = to_reach(cv[b], key, target, config=b)
             ratios = [y / x for x, y in zip(ba, bb) if x and y]
             se = stats(ratios)[1] if len(ratios) > 1 else float("nan")
             if va is None or not vb:
@@ -521,7 +522,8 @@ def equal_compute(out):
                  f"{stats([r['perf/nfe_per_iteration'] for r in per_it])[0]:,.0f}",
                  f"{stats([r['perf/cpu_seconds_per_iteration'] for r in per_it])[0]:.1f}"]
         cells += [change(cv[c], pick, m) for pick in (at_nfe, at_cpu) for m in ("train", S)]
-        cells += [reach_cell(*to_reach(cv[c], key, target, config=c)) if target is not None else "-" for key in ("nfe", "cpu")]
+        cells += [reach_cell(*to_reach(cv[c], key, target, config=c)) if target is not None else "-"
+                  for key in ("nfe", "cpu")]
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", *claim_rows(cv, EFFICIENCY, keys=("nfe", "cpu")), ""]
     if target is not None:
