@@ -3,7 +3,6 @@
 completion of the latent across it; per-step noise levels psi(t) calibrated to the reward (Algorithm 1).
 
 The defaults are the paper's setting; --model toy trains the embedded toy model on a CPU."""
-import json
 import os
 import time
 from dataclasses import dataclass, field
@@ -23,6 +22,7 @@ from rundir import (image_grid, load_state, log_metrics, make_writer, resume_che
                     run_summary, save_eval_grid, save_state)
 # algorithm specific
 from common import max_over_ranks, ode_complete, sde_mean_std, sde_step, spaced_indices
+from rundir import load_psi, save_psi
 
 
 @dataclass
@@ -177,21 +177,6 @@ def check_args(args, world: int):
     if not 1 <= args.updates_per_iteration <= most:
         fail(f"--updates-per-iteration {args.updates_per_iteration} is not allowed; use 1..{most} "
              f"(mini-batches per iteration)")
-
-
-def load_psi(path: str, num_steps: int) -> list[float]:
-    """psi(t) from a JSON file written by --calibrate ({"psi": [...]}, or a bare list), one value per step."""
-    try:
-        with open(path) as f:
-            psi = json.load(f)
-    except (OSError, ValueError) as e:  # unreadable, not UTF-8, not JSON
-        fail(f"--psi file {path!r} cannot be read as JSON ({type(e).__name__}); write one with --calibrate")
-    psi = psi.get("psi") if isinstance(psi, dict) else psi
-    if not isinstance(psi, list) or not all(type(p) in (int, float) and 0 <= p <= 10 for p in psi):  # NaN too
-        fail(f"--psi {path!r} holds no list of noise levels in [0, 10]; expected {{\"psi\": [one per step]}}")
-    if len(psi) != num_steps:
-        fail(f"--psi {path!r} has {len(psi)} values; --num-steps {num_steps} needs one per step")
-    return [float(p) for p in psi]
 
 
 def dense_rewards(latent_rewards, *, baseline: bool = False):
@@ -367,8 +352,8 @@ if __name__ == "__main__":
             if is_main:  # psi, and the NFE for the summary
                 psi_metrics = {f"psi/step_{i}": p for i, p in enumerate(psi)}
                 log_metrics(writer, run_dir, iteration + 1, {**psi_metrics, "perf/nfe_per_iteration": nfe})
-                with open(args.psi_out or os.path.join(run_dir, "psi.json"), "w") as f:
-                    json.dump({"psi": psi, "num_steps": T, "iteration": iteration + 1, "history": history}, f)
+                save_psi(args.psi_out or os.path.join(run_dir, "psi.json"), psi=psi, iteration=iteration + 1,
+                         history=history)
             continue
 
         # ALGO LOGIC: policy update (the PPO-clipped ratio of per-step log-probs, the KL to the reference)

@@ -5,6 +5,7 @@ the order of a run.
 2. Checkpoints: iteration_of, latest_checkpoint, resume_checkpoint, save_state (atomic; diffusers exports),
    load_state
 3. Sample grids and the end-of-run summary: image_grid, save_eval_grid, paired_change, run_summary
+4. DenseGRPO's psi(t) file (--calibrate writes it, --psi reads it): save_psi, load_psi
 
 Only the algorithm files, evaluate.py and the scripts import it; it imports common.py (never the other way).
 """
@@ -328,3 +329,27 @@ def run_summary(run_dir: str, *, args, kind: str, weights: dict, seconds: float)
                 f"  from diffusers import {pipe_cls}Pipeline, {tr_cls}Transformer2DModel", f"  {load}",
                 f"  image = {call}.images[0]"]
     return "\n".join(out)
+
+
+# ======== 4. DenseGRPO's psi(t) file ========
+def save_psi(path: str, *, psi: list, iteration: int, history: list):
+    """psi(t) after `iteration` calibration iterations (--calibrate), with psi after each one before it."""
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump({"psi": psi, "num_steps": len(psi), "iteration": iteration, "history": history}, f)
+    os.replace(tmp, path)  # a stopped run never leaves half a file for --psi
+
+
+def load_psi(path: str, num_steps: int) -> list[float]:
+    """psi(t) from a JSON file written by --calibrate ({"psi": [...]}, or a bare list), one value per step."""
+    try:
+        with open(path) as f:
+            psi = json.load(f)
+    except (OSError, ValueError) as e:  # unreadable, not UTF-8, not JSON
+        fail(f"--psi file {path!r} cannot be read as JSON ({type(e).__name__}); write one with --calibrate")
+    psi = psi.get("psi") if isinstance(psi, dict) else psi
+    if not isinstance(psi, list) or not all(type(p) in (int, float) and 0 <= p <= 10 for p in psi):  # NaN too
+        fail(f"--psi {path!r} holds no list of noise levels in [0, 10]; expected {{\"psi\": [one per step]}}")
+    if len(psi) != num_steps:
+        fail(f"--psi {path!r} has {len(psi)} values; --num-steps {num_steps} needs one per step")
+    return [float(p) for p in psi]
