@@ -22,7 +22,7 @@ from rundir import (image_grid, load_state, log_metrics, make_writer, resume_che
                     run_summary, save_eval_grid, save_state)
 # algorithm specific
 from common import max_over_ranks, ode_complete, sde_mean_std, sde_step, spaced_indices
-from rundir import load_psi, save_psi
+from rundir import load_psi, psi_path, save_psi
 
 
 @dataclass
@@ -352,8 +352,7 @@ if __name__ == "__main__":
             if is_main:  # psi, and the NFE for the summary
                 psi_metrics = {f"psi/step_{i}": p for i, p in enumerate(psi)}
                 log_metrics(writer, run_dir, iteration + 1, {**psi_metrics, "perf/nfe_per_iteration": nfe})
-                save_psi(args.psi_out or os.path.join(run_dir, "psi.json"), psi=psi, iteration=iteration + 1,
-                         history=history)
+                save_psi(psi_path(args, run_dir), psi=psi, iteration=iteration + 1, history=history)
             continue
 
         # ALGO LOGIC: policy update (the PPO-clipped ratio of per-step log-probs, the KL to the reference)

@@ -5,7 +5,7 @@ the order of a run.
 2. Checkpoints: iteration_of, latest_checkpoint, resume_checkpoint, save_state (atomic; diffusers exports),
    load_state
 3. Sample grids and the end-of-run summary: image_grid, save_eval_grid, paired_change, run_summary
-4. DenseGRPO's psi(t) file (--calibrate writes it, --psi reads it): save_psi, load_psi
+4. DenseGRPO's psi(t) file (--calibrate writes it, --psi reads it): psi_path, save_psi, load_psi
 
 Only the algorithm files, evaluate.py and the scripts import it; it imports common.py (never the other way).
 """
@@ -290,7 +290,7 @@ def run_summary(run_dir: str, *, args, kind: str, weights: dict, seconds: float)
     out = [f"\n{args.exp_name} on {args.model}: {len(rows)} iteration{'s' * (len(rows) != 1)} in {took}, "
            f"{nfe:,.0f} transformer evaluations (NFE)"]
     if getattr(args, "calibrate", False):  # DenseGRPO's Algorithm 1: psi, no update
-        psi = os.path.abspath(args.psi_out or os.path.join(run_dir, "psi.json"))
+        psi = os.path.abspath(psi_path(args, run_dir))
         out.append(f"psi(t) after the last calibration iteration: {psi} (train with --psi {psi})")
     names = os.listdir(run_dir)
     evals = sorted(iteration_of(f) for f in names if f.startswith("eval_") and f.endswith(".json"))
@@ -332,6 +332,11 @@ def run_summary(run_dir: str, *, args, kind: str, weights: dict, seconds: float)
 
 
 # ======== 4. DenseGRPO's psi(t) file ========
+def psi_path(args, run_dir: str) -> str:
+    """Where --calibrate writes psi(t): --psi-out, else <run dir>/psi.json."""
+    return args.psi_out or os.path.join(run_dir, "psi.json")
+
+
 def save_psi(path: str, *, psi: list, iteration: int, history: list):
     """psi(t) after `iteration` calibration iterations (--calibrate), with psi after each one before it."""
     tmp = path + ".tmp"
