@@ -10,8 +10,8 @@
 3. Rewards and prompts: RewardModels, loggable (secrets hidden), REWARDS, load_rewards (HPS-v2.1, CLIP
    score, PickScore, ImageReward, aesthetic, UnifiedReward, OCR, GenEval, DeQA: rewards.py; JPEG; the toy
    world's), score, load_prompt_set
-4. Run plumbing: TOY_WORLD, parse_args, check_common_args, setup_distributed, gather_cat, sum_over_ranks,
-   broadcast_object, iteration_generator, optimizer_step, ema_update, swapped_in
+4. Run plumbing: TOY_WORLD, parse_args, check_common_args, setup_distributed, close_distributed, gather_cat,
+   sum_over_ranks, broadcast_object, iteration_generator, optimizer_step, ema_update, swapped_in
 5. Evaluation: evaluate_policy (the held-out pairs every file evaluates on)
 
 What an algorithm adds (its rollout, advantages, loss, KL and statistics) is written in its own file; what a
@@ -830,6 +830,22 @@ def setup_distributed():
         # an hour: a 12B-parameter checkpoint can take minutes to write while the other ranks wait
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(hours=1))
     return (dist.get_rank() if world > 1 else 0), world, device
+
+
+_LAST_BARRIER = []  # close_distributed's barrier, kept until the interpreter exits
+
+
+def close_distributed():
+    """The end of a torchrun process: a barrier, then the process group's end. The barrier's work is kept
+    alive until the interpreter exits: gloo's worker thread would otherwise free it (and, through it, the last
+    collectives' tensors) at a moment of its own, and a thread that frees a Python-owned tensor while the
+    interpreter shuts down aborts the process ("terminate called without an active exception"). FSDP2's device
+    mesh keeps the process group, and so its threads, alive past destroy_process_group."""
+    if dist.is_initialized():
+        work = dist.barrier(async_op=True)
+        work.wait()
+        _LAST_BARRIER.append(work)
+        dist.destroy_process_group()
 
 
 def is_main_rank() -> bool:

@@ -13,12 +13,12 @@ import torch
 import tyro
 from tqdm import tqdm
 
-from common import (NFE, TOY_WORLD, RewardModels, check_common_args, combine_advantages, decode, ema_update,
-                    encode_prompts, evaluate_policy, fail, gather_cat, gathered, iteration_generator,
-                    latent_shape, load_pipeline, load_prompt_set, load_rewards, make_trainable,
-                    max_over_ranks, optimizer_step, parse_args, pipeline_sigmas, score, sde_step,
-                    seed_everything, select, setup_distributed, sum_over_ranks, swapped_in, velocities,
-                    velocity)
+from common import (NFE, TOY_WORLD, RewardModels, check_common_args, close_distributed, combine_advantages,
+                    decode, ema_update, encode_prompts, evaluate_policy, fail, gather_cat, gathered,
+                    iteration_generator, latent_shape, load_pipeline, load_prompt_set, load_rewards,
+                    make_trainable, max_over_ranks, optimizer_step, parse_args, pipeline_sigmas, score,
+                    sde_step, seed_everything, select, setup_distributed, sum_over_ranks, swapped_in,
+                    velocities, velocity)
 from rundir import (image_grid, load_state, log_metrics, make_writer, resume_checkpoint, run_directory,
                     run_summary, save_eval_grid, save_state)
 # algorithm specific
@@ -386,5 +386,4 @@ if __name__ == "__main__":
     if is_main:
         writer.close()
         print(run_summary(run_dir, args=args, kind=kind, weights=weights, seconds=time.time() - t0))
-    if world > 1:
-        torch.distributed.destroy_process_group()
+    close_distributed()

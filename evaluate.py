@@ -41,9 +41,9 @@ import torch
 import tyro
 
 from common import (ARG_RANGES, MODEL_ALIASES, RewardModels, broadcast_object, check_output_path,
-                    check_ranges, check_rewards, decode, encode_prompts, fail, gather_cat, latent_shape,
-                    load_pipeline, load_prompt_set, load_rewards, loggable, ode_complete, parse_args,
-                    pipeline_sigmas, score, setup_distributed)
+                    check_ranges, check_rewards, close_distributed, decode, encode_prompts, fail, gather_cat,
+                    latent_shape, load_pipeline, load_prompt_set, load_rewards, loggable, ode_complete,
+                    parse_args, pipeline_sigmas, score, setup_distributed)
 from rundir import latest_checkpoint, paired_change
 
 
@@ -349,5 +349,4 @@ if __name__ == "__main__":
         with open(os.path.join(args.out, "table.md"), "w") as f:
             f.write(report)
         print("\n" + report + f"\nscores.json and table.md in {os.path.abspath(args.out)}")
-    if world > 1:
-        torch.distributed.destroy_process_group()
+    close_distributed()

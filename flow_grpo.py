@@ -12,9 +12,9 @@ import torch
 import tyro
 from tqdm import tqdm
 
-from common import (NFE, TOY_WORLD, RewardModels, as_reference, check_common_args, combine_advantages, decode,
-                    ema_update, encode_prompts, evaluate_policy, fail, gather_cat, gathered,
-                    iteration_generator, latent_shape, load_pipeline, load_prompt_set, load_rewards,
+from common import (NFE, TOY_WORLD, RewardModels, as_reference, check_common_args, close_distributed,
+                    combine_advantages, decode, ema_update, encode_prompts, evaluate_policy, fail, gather_cat,
+                    gathered, iteration_generator, latent_shape, load_pipeline, load_prompt_set, load_rewards,
                     make_trainable, optimizer_step, parse_args, pipeline_sigmas, rank_chunks, score,
                     seed_everything, select, setup_distributed, sum_over_ranks, swapped_in,
                     training_minibatches, velocities, velocity)
@@ -394,5 +394,4 @@ if __name__ == "__main__":
     if is_main:
         writer.close()
         print(run_summary(run_dir, args=args, kind=kind, weights=weights, seconds=time.time() - t0))
-    if world > 1:
-        torch.distributed.destroy_process_group()
+    close_distributed()

@@ -19,7 +19,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "toy")]
 import rundir  # noqa: E402
-from common import as_reference, make_trainable, setup_distributed, velocity  # noqa: E402
+from common import as_reference, close_distributed, make_trainable, setup_distributed, velocity  # noqa: E402
 from tiny import build_flux  # noqa: E402
 
 
@@ -85,4 +85,4 @@ if __name__ == "__main__":
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(result, f)
-    torch.distributed.destroy_process_group()
+    close_distributed()

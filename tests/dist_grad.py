@@ -19,8 +19,8 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "toy")]
-from common import (as_reference, flow_matching_log_prob, make_trainable, optimizer_step, sde_mean_std,  # noqa: E402
-                    sde_step, select, setup_distributed, shifted_sigmas, swapped_in, velocity)
+from common import (as_reference, close_distributed, flow_matching_log_prob, make_trainable, optimizer_step,  # noqa: E402
+                    sde_mean_std, sde_step, select, setup_distributed, shifted_sigmas, swapped_in, velocity)
 from tiny import build_flux  # noqa: E402
 
 if __name__ == "__main__":
@@ -86,6 +86,4 @@ if __name__ == "__main__":
     updated = {name: full(p) for name, p in params.items()}
     if rank == 0:
         torch.save({"grads": grads, "before": before, "updated": updated}, sys.argv[1])
-    if world > 1:
-        torch.distributed.barrier()  # rank 0 has written the file before any rank leaves
-        torch.distributed.destroy_process_group()
+    close_distributed()  # rank 0 has written the file before any rank leaves
