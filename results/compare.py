@@ -154,6 +154,26 @@ def check_settings(path, want):
             sys.exit(f"error: {path} was made with {have}, not {want}; pass another --out / --runs-dir or delete it")
 
 
+def machine() -> dict:
+    """The machine a run (or the part of it since a resume) trains on: its boot id and CPU model. CPU time is only
+    comparable within one machine: the same run took 1.6x the CPU seconds per iteration on another."""
+    try:
+        ident = open("/proc/sys/kernel/random/boot_id").read().strip()
+        cpu = next((x.split(":", 1)[1].strip() for x in open("/proc/cpuinfo") if x.startswith("model name")), "")
+    except OSError:
+        import platform
+        ident, cpu = platform.node(), platform.processor()
+    return {"id": ident, "cpu": cpu}
+
+
+def resumed_iteration(cmd) -> int:
+    """The iteration a command resumes after (its --resume run's latest checkpoint), 0 for a fresh start."""
+    if "--resume" not in cmd:
+        return 0
+    ckpts = os.path.join(cmd[cmd.index("--resume") + 1], "checkpoints")
+    return max(int(d.split("_")[1]) for d in os.listdir(ckpts) if d.startswith("iter_") and not d.endswith(".tmp"))
+
+
 def command(a, config, seed, iterations, out_dir):
     script, flags = CONFIGS[config][:2]
     cmd = [sys.executable, os.path.join(ROOT, script), "--model", "toy", "--seed", str(seed), "--output-dir", out_dir,
@@ -181,9 +201,10 @@ def collect(a, config, seed, iterations, out_dir):
             evals[int(name[5:-5])] = {k: [round(x, 5) for x in v] for k, v in json.load(open(os.path.join(run, name))).items()}
     os.makedirs(os.path.dirname(raw_path(a, config, seed)), exist_ok=True)
     tmp = raw_path(a, config, seed) + ".tmp"
+    machines = json.load(open(out_dir + ".json")).get("machines", [])
     with open(tmp, "w") as f:
         json.dump({"config": config, "seed": seed, "script": CONFIGS[config][0], "settings": settings(a, config, iterations),
-                   "metrics": [rows[i] for i in sorted(rows) if i <= iterations],
+                   "machines": machines, "metrics": [rows[i] for i in sorted(rows) if i <= iterations],
                    "evals": {str(i): evals[i] for i in sorted(evals) if i <= iterations}}, f)
     os.replace(tmp, raw_path(a, config, seed))
     shutil.rmtree(os.path.join(run, "checkpoints"), ignore_errors=True)
@@ -230,8 +251,11 @@ def loop(a, iters, *, todo, running, failed, env, t0):
             out_dir = os.path.join(a.runs_dir, c, f"seed{s}")
             cmd = command(a, c, s, iters[c], out_dir)
             os.makedirs(out_dir, exist_ok=True)
-            with open(out_dir + ".json", "w") as f:
-                json.dump({"settings": settings(a, c, iters[c])}, f)
+            start = resumed_iteration(cmd)
+            before = json.load(open(out_dir + ".json")).get("machines", []) if os.path.exists(out_dir + ".json") else []
+            machines = [m for m in before if m["from_iteration"] < start] + [{"from_iteration": start, **machine()}]
+            with open(out_dir + ".json", "w") as f:  # which machine trains which iterations, for the CPU unit
+                json.dump({"settings": settings(a, c, iters[c]), "machines": machines}, f)
             log = open(out_dir + ".log", "a")
             signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGTERM])  # a child is always registered before a stop
             running[(c, s)] = (subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -261,13 +285,44 @@ def load(a):
     return runs
 
 
-def curves(run):
-    """Per evaluation: iteration, cumulative NFE, cumulative seconds, and the mean of every metric (train = mean of
-    the two training rewards, whatever the run trained on)."""
+def machine_of(run, iteration) -> str:
+    """The machine that trained an iteration of a run; runs collected before machines were recorded (every one of
+    them on machines of one speed: a config's seeds there are within 25% in CPU seconds per iteration, where the
+    first recorded machine took 1.6x less) count as one machine, "unrecorded"."""
+    segments = [{"from_iteration": 0, "id": "unrecorded"}, *run.get("machines", [])]
+    return [m["id"] for m in segments if m["from_iteration"] < max(iteration, 1)][-1]
+
+
+def cpu_units(flow_grpo_runs) -> dict:
+    """{machine: Flow-GRPO's mean training CPU seconds per iteration on it}, the unit of the equal-compute
+    comparison's CPU time: each run's CPU time counts in Flow-GRPO iterations of the machine that spent it."""
+    per = {}
+    for run in flow_grpo_runs:
+        for r in run["metrics"]:
+            if r.get("perf/cpu_seconds_per_iteration"):
+                per.setdefault(machine_of(run, r["iteration"]), []).append(r["perf/cpu_seconds_per_iteration"])
+    return {m: sum(v) / len(v) for m, v in per.items()}
+
+
+def cpu_of(run, row, units) -> float:
+    """A metrics row's training CPU time: seconds, or in Flow-GRPO iterations on its machine (`units`)."""
+    seconds = row.get("perf/cpu_seconds_per_iteration", 0)  # logged since the equal-compute comparison
+    if units is None or not seconds:
+        return seconds
+    m = machine_of(run, row["iteration"])
+    if m not in units:
+        sys.exit(f"error: {run['config']} seed {run['seed']} trained on machine {m}, where no flow_grpo run measured "
+                 "the CPU unit; run a flow_grpo seed there (python results/compare.py --equal --configs flow_grpo)")
+    return seconds / units[m]
+
+
+def curves(run, units=None):
+    """Per evaluation: iteration, cumulative NFE, cumulative seconds, cumulative CPU time (cpu_of), and the mean
+    of every metric (train = mean of the two training rewards, whatever the run trained on)."""
     nfe, sec, cpu, cum = 0.0, 0.0, 0.0, {0: (0.0, 0.0, 0.0)}
     for r in run["metrics"]:
         nfe, sec = nfe + r.get("perf/nfe_per_iteration", 0), sec + r.get("perf/seconds_per_iteration", 0)
-        cpu += r.get("perf/cpu_seconds_per_iteration", 0)  # logged since the equal-compute comparison
+        cpu += cpu_of(run, r, units)
         cum[r["iteration"]] = (nfe, sec, cpu)
     out = []
     for i, e in sorted(((int(k), v) for k, v in run["evals"].items())):
@@ -357,7 +412,7 @@ def overall(verdicts, kind):
 def claim_rows(cv, claims, keys=("iteration", "nfe")):
     """One row per claim (and one on the first FIRST_SEEDS seeds where a row has more): the difference of the
     gains at equal iterations and at equal NFE (or `keys`: the last point both configs reach), with the verdicts."""
-    names = {"iteration": "iterations", "nfe": "NFE", "cpu": "CPU s"}
+    names = {"iteration": "iterations", "nfe": "NFE", "cpu": "CPU (Flow-GRPO iterations)"}
     lines = [f"| claim (a vs b) | seeds (a, b) | {names[keys[0]]} | training reward | strict | verdict | "
              f"{names[keys[1]]} | training reward | strict | verdict |", "|---|---|---|---|---|---|---|---|---|---|"]
     for text, a, b, kind in claims:
@@ -371,7 +426,7 @@ def claim_rows(cv, claims, keys=("iteration", "nfe")):
             for key in keys:
                 value = min(x[-1][key] for x in sub[a] + sub[b])
                 verdicts = []
-                cells.append(f"{value:,.0f}")
+                cells.append(f"{value:,.1f}" if key == "cpu" else f"{value:,.0f}")
                 for metric in ("train", S):
                     d, se, ref = difference(sub, a, b, key, value, metric)
                     verdicts.append(judge(d, se, kind, ref))
@@ -445,11 +500,11 @@ def to_reach(runs, key, target, *, config):
     return reach(mean_curve(runs, key), target), (stats(hit)[1] if len(hit) > 1 else float("nan")), boots
 
 
-def reach_cell(value, se, boots):
+def reach_cell(value, se, boots, *, digits=0):
     if value is None:
         return "not reached"
     missed = sum(b is None for b in boots) / len(boots)
-    return f"{value:,.0f} +- {se:,.0f}" + (f" ({missed:.0%} of resamples never reach it)" if missed else "")
+    return f"{value:,.{digits}f} +- {se:,.{digits}f}" + (f" ({missed:.0%} of resamples never reach it)" if missed else "")
 
 
 def speedup_rows(cv, claims, eq_nfe):
@@ -492,7 +547,8 @@ def equal_compute(out):
     runs = {c: rs for c, rs in load(argparse.Namespace(**vars(e), configs=list(EQUAL))).items()}
     if not runs:
         return []
-    cv = {c: [curves(r) for r in rs] for c, rs in runs.items()}
+    units = cpu_units(runs.get("flow_grpo", []))
+    cv = {c: [curves(r, units) for r in rs] for c, rs in runs.items()}
     eq_nfe = min(x[-1]["nfe"] for xs in cv.values() for x in xs)
     eq_cpu = min(x[-1]["cpu"] for xs in cv.values() for x in xs)
     base = cv.get("flow_grpo")
@@ -502,34 +558,38 @@ def equal_compute(out):
              "Every file's toy preset, each run to at least the NFE of 60 Flow-GRPO iterations, evaluated every 10 "
              "iterations on the same held-out pairs. Each row: the change from the base model, mean +- SE over seeds, "
              f"of the training reward and the strict metric at equal NFE ({eq_nfe:,.0f}, the last NFE every run "
-             f"reaches) and at equal CPU time ({eq_cpu:,.0f} s: training only, one thread, `perf/cpu_seconds_per_"
-             "iteration`), and the NFE and CPU time at which the mean over seeds first reaches Flow-GRPO's change at "
+             f"reaches) and at equal CPU time (that of {eq_cpu:.1f} Flow-GRPO iterations: training only, one thread, "
+             "`perf/cpu_seconds_per_iteration`, counted in Flow-GRPO's mean CPU seconds per iteration on the machine "
+             "that ran the iteration, so that a faster machine's runs get no credit for its speed), and the NFE and "
+             "CPU time at which the mean over seeds first reaches Flow-GRPO's change at "
              f"equal NFE ({target:+.4f}; +- the SE of {BOOTSTRAP} bootstrap resamples of the seeds). Claims: the rules "
              "of the papers' tables below; a speed-up (b's NFE or CPU time to reach b's change at equal NFE over a's) is "
              "supported when its 2-SE interval lies above 1, not supported when it lies below 1 or when a never "
              f"reaches that change in a run longer than b needed; with fewer than {MIN_SEEDS} seeds on either side it is "
              "unresolved." if target is not None else
              "(no Flow-GRPO runs yet)", "",
-             f"| method | config | seeds | iterations | NFE per iteration | CPU s per iteration | training reward, "
-             f"{eq_nfe:,.0f} NFE | strict, {eq_nfe:,.0f} NFE | training reward, {eq_cpu:,.0f} CPU s | strict, "
-             f"{eq_cpu:,.0f} CPU s | NFE to reach Flow-GRPO | CPU s to reach Flow-GRPO |",
+             f"| method | config | seeds | iterations | NFE per iteration | CPU per iteration (Flow-GRPO = 1) | "
+             f"training reward, {eq_nfe:,.0f} NFE | strict, {eq_nfe:,.0f} NFE | training reward, CPU of {eq_cpu:.1f} "
+             f"Flow-GRPO iterations | strict, same CPU | NFE to reach Flow-GRPO | CPU to reach Flow-GRPO (Flow-GRPO "
+             "iterations) |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for c, name in EQUAL_ROWS.items():
         if c not in cv:
             continue
-        per_it = [r for run in runs[c] for r in run["metrics"] if "perf/nfe_per_iteration" in r]
+        per_it = [(run, r) for run in runs[c] for r in run["metrics"] if "perf/nfe_per_iteration" in r]
         cells = [name, c, str(len(cv[c])), str(cv[c][0][-1]["iteration"]),
-                 f"{stats([r['perf/nfe_per_iteration'] for r in per_it])[0]:,.0f}",
-                 f"{stats([r['perf/cpu_seconds_per_iteration'] for r in per_it])[0]:.1f}"]
+                 f"{stats([r['perf/nfe_per_iteration'] for _, r in per_it])[0]:,.0f}",
+                 f"{stats([cpu_of(run, r, units) for run, r in per_it])[0]:.2f}"]
         cells += [change(cv[c], pick, m) for pick in (at_nfe, at_cpu) for m in ("train", S)]
-        cells += [reach_cell(*to_reach(cv[c], key, target, config=c)) if target is not None else "-"
-                  for key in ("nfe", "cpu")]
+        cells += [reach_cell(*to_reach(cv[c], key, target, config=c), digits=int(key == "cpu"))
+                  if target is not None else "-" for key in ("nfe", "cpu")]
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", *claim_rows(cv, EFFICIENCY, keys=("nfe", "cpu")), ""]
     if target is not None:
         lines += [*speedup_rows(cv, EFFICIENCY, eq_nfe), ""]
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
-    for ax, key, label in zip(axes, ("nfe", "cpu"), ("NFE (transformer forwards)", "training CPU time (s, one thread)")):
+    for ax, key, label in zip(axes, ("nfe", "cpu"), ("NFE (transformer forwards)",
+                                                       "training CPU time (Flow-GRPO iterations, one thread)")):
         for c, name in EQUAL_ROWS.items():
             if c not in cv:
                 continue

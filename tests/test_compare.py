@@ -74,6 +74,27 @@ def test_the_nfe_to_reach_a_reward_and_the_speed_up():
     assert "2.00x (fewer than 3 seeds: no verdict) | **unresolved**" in row
 
 
+def test_cpu_time_counts_in_flow_grpo_iterations_of_the_machine_that_spent_it():
+    def run(config, seed, cpu_per_iteration, machines=None):
+        rows = [{"iteration": i, "perf/nfe_per_iteration": 100, "perf/cpu_seconds_per_iteration": c}
+                for i, c in enumerate(cpu_per_iteration, start=1)]
+        return {"config": config, "seed": seed, "metrics": rows, "evals": {}, **({"machines": machines} if machines else {})}
+
+    fast = [{"from_iteration": 0, "id": "fast", "cpu": "x"}]
+    units = compare.cpu_units([run("flow_grpo", 0, [16.0, 16.0]), run("flow_grpo", 1, [9.0, 11.0], fast)])
+    assert units == {"unrecorded": 16.0, "fast": 10.0}  # runs collected before machines were recorded: one machine
+    # a run that started on the unrecorded machine and resumed after iteration 2 on the fast one (at 0.6x of
+    # Flow-GRPO's CPU time per iteration on each): 4 iterations of it cost 2.4 Flow-GRPO iterations
+    resumed = run("awm", 0, [9.6, 9.6, 6.0, 6.0], [{"from_iteration": 2, "id": "fast", "cpu": "x"}])
+    assert [compare.machine_of(resumed, i) for i in (0, 1, 2, 3, 4)] == ["unrecorded"] * 3 + ["fast"] * 2
+    assert sum(compare.cpu_of(resumed, r, units) for r in resumed["metrics"]) == pytest.approx(2.4)
+    assert sum(compare.cpu_of(resumed, r, None) for r in resumed["metrics"]) == pytest.approx(31.2)  # seconds
+    elsewhere = run("awm", 3, [5.0], [{"from_iteration": 0, "id": "new", "cpu": "x"}])
+    with pytest.raises(SystemExit, match="awm seed 3 trained on machine new, where no flow_grpo run measured"):
+        compare.cpu_of(elsewhere, elsewhere["metrics"][0], units)
+    assert compare.machine()["id"] == compare.machine()["id"] != ""
+
+
 def test_interpolation_between_evaluations():
     curve = [{"nfe": 0.0, "x": 1.0}, {"nfe": 100.0, "x": 2.0}, {"nfe": 300.0, "x": 0.0}]
     assert compare.at(curve, "nfe", 50.0, "x") == pytest.approx(1.5)
@@ -137,6 +158,8 @@ def test_tiny_comparison_end_to_end_and_resumable(tmp_path):
             raw = json.load(open(out / "raw" / f"{c}__seed{s}.json"))
             assert sorted(raw["evals"]) == ["0", "1", "2"] and len(raw["evals"]["2"]["toy_strict"]) == 4
             assert [r["iteration"] for r in raw["metrics"]] == [0, 1, 2]
+            # the machine of each part: the resumed run's first iteration ran outside compare.py, unrecorded
+            assert raw["machines"] == [{"from_iteration": int(c == "flow_grpo" and s == 0), **compare.machine()}]
             assert all(r["perf/nfe_per_iteration"] > 0 for r in raw["metrics"][1:])
             (run,) = os.listdir(runs / c / f"seed{s}")
             assert not os.path.exists(runs / c / f"seed{s}" / run / "checkpoints")  # pruned once collected
