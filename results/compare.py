@@ -542,6 +542,7 @@ def equal_compute(out):
     """The headline section of the equal-compute comparison from <out>/raw/ (empty if it has no runs), and its
     figure <out>/equal_compute.png."""
     import matplotlib.pyplot as plt
+    from matplotlib import ticker
 
     e = argparse.Namespace(equal=True, seeds=None, out=out)
     runs = {c: rs for c, rs in load(argparse.Namespace(**vars(e), configs=list(EQUAL))).items()}
@@ -606,6 +607,8 @@ def equal_compute(out):
         if target is not None:
             ax.axhline(target, color="k", ls="--", lw=0.8, label="Flow-GRPO at equal NFE")
         ax.set(xscale="log", xlabel=label, ylabel="change of the training reward (ODE eval)")
+        ax.xaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:,.0f}"))  # 40, not 4 x 10^1
+        ax.xaxis.set_minor_formatter(ticker.FuncFormatter(lambda v, _: f"{v:,.0f}" if str(v)[0] in "25" else ""))
         ax.grid(alpha=0.3, which="both")
     axes[0].legend(fontsize=7)
     fig.suptitle("All methods at equal compute: mean over seeds (band: +- SE over seeds)", fontsize=10)
