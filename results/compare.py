@@ -167,11 +167,13 @@ def machine() -> dict:
 
 
 def resumed_iteration(cmd) -> int:
-    """The iteration a command resumes after (its --resume run's latest checkpoint), 0 for a fresh start."""
+    """The iteration a command resumes after (the checkpoint its --resume picks, by the files' own rule), 0 for a
+    fresh start."""
     if "--resume" not in cmd:
         return 0
-    ckpts = os.path.join(cmd[cmd.index("--resume") + 1], "checkpoints")
-    return max(int(d.split("_")[1]) for d in os.listdir(ckpts) if d.startswith("iter_") and not d.endswith(".tmp"))
+    sys.path[:0] = [ROOT]
+    from rundir import iteration_of, latest_checkpoint
+    return iteration_of(latest_checkpoint(cmd[cmd.index("--resume") + 1]))
 
 
 def command(a, config, seed, iterations, out_dir):
