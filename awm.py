@@ -174,11 +174,13 @@ def check_args(args, world: int):
 def planned_nfe(args) -> dict:
     """Transformer evaluations per prompt and iteration (a CFG pair counts once): the rollout, the training
     forwards and the reference model's; tested against the measured perf/nfe_* (zero advantages skip some)."""
-    trained = args.train_timesteps
+    trained, n = args.train_timesteps, args.prompts_per_iteration * args.group_size
+    # "old": the old log-probs of the terms of every mini-batch after the first, one forward each
     return {"rollout": args.group_size * args.num_steps,
             "train": trained * args.group_size,
             "reference": trained * args.group_size if args.beta > 0 else 0,
-            "ema": trained * args.group_size if args.ema_beta > 0 else 0}
+            "ema": trained * args.group_size if args.ema_beta > 0 else 0,
+            "old": trained * (n - -(-n // args.updates_per_iteration)) / args.prompts_per_iteration}
 
 
 if __name__ == "__main__":
@@ -252,6 +254,11 @@ if __name__ == "__main__":
         weighted = sum(weights[k] * scores[k].mean() for k in args.rewards) / sum(weights.values())
         return iteration, weighted.item()
 
+    def awm_log_prob(v, target, t: float):
+        """A training term's log-prob: minus the weighted flow-matching error (compute_log_prob_awm)."""
+        mse = ((v.double() - target.double()) ** 2).mean(dim=(1, 2, 3))  # mean (v - (eps - x0))^2, float64
+        return flow_matching_log_prob(mse, t, args.weighting, args.ghuber_power)
+
     t0 = time.time()
     # iteration 0: the base model
     last_eval = evaluate(0) if start == 0 and args.eval_every else None
@@ -299,21 +306,35 @@ if __name__ == "__main__":
         micro_batches = -(-trained_advantages.shape[1] // args.micro_batch)  # as many as one process has
         minibatches = training_minibatches(trained_advantages, updates=args.updates_per_iteration,
                                            micro_batches=micro_batches, generator=same_on_ranks)
-        for u, minibatch in enumerate(minibatches):
-            has_gradient = False
+        # the training terms, all drawn before the first step (train:1138-1232): in each mini-batch a timestep
+        # per stratum and micro-batch, and fresh noise per (timestep, micro-batch)
+        terms = []
+        for minibatch in minibatches:
             chunks = rank_chunks(minibatch, rank=rank, world=world, per_rank=P * G,
                                  micro_batch=args.micro_batch, sharded=sharded)  # this rank's part of it
             times = sigmas[stratified_indices(n_train, len(train_steps), len(chunks), kind=args.time_type,
                                               generator=gen)]  # a timestep per stratum and micro-batch
+            terms.append([[(c, weight, float(times[m][j]), torch.randn(x0[c].shape, generator=gen))
+                           for m, (c, weight) in enumerate(chunks)] for j in train_steps])
+        # the old log-probs of the later mini-batches' terms, computed before the first step (train:1227-1238)
+        old_log_probs = {}
+        with torch.no_grad(), amp, gathered(transformer, sharded=sharded):
+            for u, j in [(u, j) for u in range(1, len(terms)) for j in train_steps]:
+                for m, (c, weight, t, eps) in enumerate(terms[u][j]):
+                    x_t = (1 - t) * x0[c] + t * eps.to(device)
+                    v = velocity(transformer, kind, x_t, t, select(emb, group[c]), guidance=args.guidance)
+                    old_log_probs[u, j, m] = awm_log_prob(v, eps.to(device) - x0[c], t)
+        for u, minibatch_terms in enumerate(terms):
+            has_gradient = False
             for j in train_steps:
-                for m, (c, weight) in enumerate(chunks):
+                for m, (c, weight, t, eps) in enumerate(minibatch_terms[j]):
                     adv = advantages[j][c]
                     signal = weight > 0 and (args.beta > 0 or args.ema_beta > 0 or bool((adv != 0).any()))
                     if not signal and not sharded:
                         continue  # no gradient (sharded runs run it: every rank joins the collectives)
                     has_gradient = has_gradient or signal
                     emb_c = select(emb, group[c])
-                    t, eps = float(times[m][j]), torch.randn(x0[c].shape, generator=gen).to(device)
+                    eps = eps.to(device)
                     x_t = (1 - t) * x0[c] + t * eps
                     if args.ema_beta > 0:  # before the policy's forward: the KL-EMA is swapped in in place
                         with torch.no_grad(), amp, swapped_in(list(params.values()), kl_ema):
@@ -321,9 +342,10 @@ if __name__ == "__main__":
                     with amp:
                         v = velocity(transformer, kind, x_t, t, emb_c,
                                      guidance=args.guidance)
-                    mse = ((v.double() - (eps - x0[c]).double()) ** 2).mean(dim=(1, 2, 3))
-                    log_prob = flow_matching_log_prob(mse, t, args.weighting, args.ghuber_power)
-                    ratio = torch.exp(log_prob - log_prob.detach())  # on-policy (official): 1, a gradient
+                    log_prob = awm_log_prob(v, eps - x0[c], t)
+                    # the first mini-batch's old log-prob is this forward's (train:1282-1284): a ratio of 1
+                    old_log_prob = log_prob.detach() if u == 0 else old_log_probs[u, j, m]
+                    ratio = torch.exp(log_prob - old_log_prob)
                     clipped_ratio = ratio.clamp(1 - args.clip_range, 1 + args.clip_range)
                     policy_loss = torch.max(-adv * ratio, -adv * clipped_ratio).mean()
                     kl = torch.zeros_like(policy_loss)
@@ -337,7 +359,7 @@ if __name__ == "__main__":
                     (loss * weight / len(train_steps)).backward()  # the mean over the mini-batch's terms
                     if weight == 0:
                         continue  # a sharded rank's extra forward: it joins the collectives, adds no term
-                    log_ratio = (log_prob - log_prob.detach()).detach()
+                    log_ratio = (log_prob - old_log_prob).detach()
                     sums["terms"] += len(c)
                     sums["ratio_mean"] += ratio.detach().sum()
                     sums["clipfrac"] += ((ratio.detach() - 1).abs() > args.clip_range).sum()
@@ -351,9 +373,9 @@ if __name__ == "__main__":
                                   has_gradient=has_gradient)
             if norm is not None:
                 grad_norms.append(norm)
-            n_updates = iteration * args.updates_per_iteration + u + 1  # optimizer steps planned so far
-            if ema is not None and (n_updates + 1) % args.ema_every == 0:
-                ema_update(ema, list(params.values()), args.ema_decay, n_updates)
+        n_updates = (iteration + 1) * args.updates_per_iteration  # optimizer steps planned so far
+        if ema is not None and (n_updates + 1) % args.ema_every == 0:  # once per iteration (train:1391-1392)
+            ema_update(ema, list(params.values()), args.ema_decay, n_updates)
         # the KL-EMA after the iteration, by the optimizer steps so far (official: after the eval EMA)
         d = min(args.kl_ema_decay, 1e-3 * n_updates if args.kl_ema_decay_type == "linear" else 1.0)
         ema_update(kl_ema, list(params.values()), d, n_updates, warmup=False)

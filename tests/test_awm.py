@@ -1,13 +1,16 @@
 """awm.py: closed-form checks of its math (SA-Solver, the surrogate log-prob, the timestep strata), its NFE
 against planned_nfe on tiny random Flux and SD3 pipelines, and its argument checks."""
 import os
+import runpy
+import sys
 
 import pytest
 import torch
 
 import awm
+import common
 from common import flow_matching_log_prob, ode_step, sa_solver, shifted_sigmas, stratified_indices
-from helpers import check_args, read_metrics, run_script, tiny_flags
+from helpers import ROOT, check_args, read_metrics, run_script, tiny_flags
 from test_math import M, S, exact_velocity
 
 
@@ -93,7 +96,9 @@ def test_defaults_are_the_official_pickscore_config():
         0.3, "linear", 0.99, 1, 1)
     assert (a.learning_rate, a.weight_decay, a.max_grad_norm, a.lora_rank, a.lora_alpha, a.global_std) == (
         3e-4, 1e-4, 1.0, 32, 64, True)
-    assert awm.planned_nfe(a) == {"rollout": 24 * 14, "train": 24 * 6, "reference": 24 * 6, "ema": 24 * 6}
+    assert awm.planned_nfe(a) == {"rollout": 24 * 14, "train": 24 * 6, "reference": 24 * 6, "ema": 24 * 6, "old": 0}
+    # two steps: the second half of the 576 samples needs its old log-probs, 6 forwards each (12 samples a prompt)
+    assert awm.planned_nfe(awm.Args(updates_per_iteration=2))["old"] == 6 * 12
 
 
 @pytest.mark.parametrize("kind", ["flux", "sd3"])
@@ -104,7 +109,7 @@ def test_planned_nfe_is_measured_and_the_run_ends_with_its_summary(tiny, tmp_pat
     assert "iteration 0 -> 2, change +- paired standard error" in out and "training reward" in out
     args = awm.Args(num_steps=4, group_size=4, train_timesteps=3)
     plan = awm.planned_nfe(args)
-    assert plan == {"rollout": 16, "train": 12, "reference": 12, "ema": 12}
+    assert plan == {"rollout": 16, "train": 12, "reference": 12, "ema": 12, "old": 0}
     for it in (1, 2):
         assert m[it]["perf/nfe_rollout_per_prompt"] == m[it]["perf/nfe_min_per_prompt"] == plan["rollout"]
         assert m[it]["perf/nfe_per_iteration"] == 2 * sum(plan.values())  # 2 prompts
@@ -115,6 +120,106 @@ def test_planned_nfe_is_measured_and_the_run_ends_with_its_summary(tiny, tmp_pat
     assert state["extra"]["kl_ema"].keys() == state["trainable"].keys()
     # after 2 steps: kl_ema = d2 (d1 w0 + (1 - d1) w1) + (1 - d2) w2 with d = 0.001 s; it is no copy of the weights
     assert any(not torch.equal(state["extra"]["kl_ema"][k], state["trainable"][k]) for k in state["trainable"])
+
+
+def test_several_steps_per_iteration_train_what_the_official_code_trains(tiny, tmp_path, monkeypatch):
+    """One iteration of two optimizer steps on a tiny SD3 (LoRA, both KLs): the second step's gradient equals the
+    official one written out here (train_sd3_awm.py: the later mini-batches' old log-probs computed before the first
+    step, :1227-1238; the first's the same forward's, :1282-1284; the exp_first PPO loss and the KLs, :1286-1354), the
+    eval EMA steps once per iteration (:1391-1392), and the NFE is planned_nfe's."""
+    real = {name: getattr(common, name) for name in ("load_pipeline", "sa_solver", "combine_advantages",
+                                                      "rank_chunks", "velocity", "optimizer_step")}
+    seen = {"chunks": [], "policy_forwards": [], "steps": []}
+    beta, ema_beta, lr = 1e-3, 1e-2, 1.0  # a large step: the ratio moves away from 1
+
+    def load_pipeline(*a, **k):
+        seen["pipe"], kind = real["load_pipeline"](*a, **k)
+        return seen["pipe"], kind
+
+    def sa_solver(*a, **k):
+        seen["x0"] = real["sa_solver"](*a, **k)
+        return seen["x0"]
+
+    def combine_advantages(*a, **k):
+        seen["advantages"] = real["combine_advantages"](*a, **k)
+        return seen["advantages"]
+
+    def rank_chunks(*a, **k):
+        seen["chunks"].append(real["rank_chunks"](*a, **k))
+        return seen["chunks"][-1]
+
+    def velocity(transformer, kind, x, sigma, emb, *, guidance):
+        if torch.is_grad_enabled():  # the policy's forwards: the terms a step trains on
+            seen["policy_forwards"].append((len(seen["steps"]), x.detach().clone(), float(sigma), emb))
+        return real["velocity"](transformer, kind, x, sigma, emb, guidance=guidance)
+
+    def official_gradient(params, u):
+        """The second step's gradient of train_sd3_awm.py's loss at the weights after the first step."""
+        pipe, x0 = seen["pipe"], seen["x0"]
+        (c, _), = seen["chunks"][u]  # one micro-batch of 4 samples a mini-batch
+        adv = (seen["advantages"].reshape(-1)[c].clamp(-5, 5) / 5 * 1.0).double()  # advantage_max 1 (:1293-1299)
+        terms = [(x_t, t, emb) for step, x_t, t, emb in seen["policy_forwards"] if step == u]
+        now = {n: p.detach().clone() for n, p in params.items()}
+
+        def log_prob(v, x_t, t):  # compute_log_prob_awm: ghuber, p = 0.25 (:237-251); eps - x0 = (x_t - x0) / t
+            mse = ((v.double() - ((x_t - x0[c]) / t).double()) ** 2).mean(dim=(1, 2, 3))
+            return -((mse + 1e-10) ** 0.25 - 1e-10**0.25) * t / 0.25
+
+        with torch.no_grad():  # old log-probs and the KL-EMA (still the initial weights): before the first step
+            for n, p in params.items():
+                p.copy_(seen["steps"][0][n])
+            v_old = [real["velocity"](pipe.transformer, "sd3", x_t, t, emb, guidance=1.0) for x_t, t, emb in terms]
+            for n, p in params.items():
+                p.copy_(now[n])
+            pipe.transformer.disable_adapters()  # the reference: LoRA off (:1272-1275)
+            v_ref = [real["velocity"](pipe.transformer, "sd3", x_t, t, emb, guidance=1.0) for x_t, t, emb in terms]
+            pipe.transformer.enable_adapters()
+        v = [real["velocity"](pipe.transformer, "sd3", x_t, t, emb, guidance=1.0) for x_t, t, emb in terms]
+        log_probs = torch.stack([log_prob(v_k, x_t, t) for v_k, (x_t, t, _) in zip(v, terms)])  # [T, B]
+        old = torch.stack([log_prob(v_k, x_t, t) for v_k, (x_t, t, _) in zip(v_old, terms)])
+        ratio = torch.exp(log_probs.view(-1) - old.view(-1).detach())  # exp_first (:1305-1307)
+        A = adv.unsqueeze(0).repeat(len(terms), 1).view(-1)
+        policy_loss = torch.mean(torch.maximum(-A * ratio, -A * torch.clamp(ratio, 1.0 - 1.0, 1.0 + 1.0)))
+        kl = torch.stack([((a.double() - b.double()) ** 2).mean(dim=(1, 2, 3)) for a, b in zip(v, v_ref)]).mean()
+        ema_kl = torch.stack([((a.double() - b.double()) ** 2).mean(dim=(1, 2, 3)) for a, b in zip(v, v_old)]).mean()
+        loss = policy_loss + beta * kl + ema_beta * ema_kl
+        seen["official_ratio"] = ratio.detach()
+        return dict(zip(params, torch.autograd.grad(loss, list(params.values()))))
+
+    def optimizer_step(params, optimizer, **k):
+        seen["steps"].append({n: p.detach().clone() for n, p in params.items()})
+        if len(seen["steps"]) == 2:
+            seen["file_gradient"] = {n: p.grad.clone() for n, p in params.items()}
+            nfe = common.NFE["count"]
+            seen["official_gradient"] = official_gradient(params, 1)
+            seen["nfe_here"] = common.NFE["count"] - nfe  # the test's forwards, not the file's
+        return real["optimizer_step"](params, optimizer, **k)
+
+    for name in real:
+        monkeypatch.setattr(common, name, locals()[name])
+    flags = tiny_flags(tiny["sd3"], tiny["prompts"], tmp_path, guidance=1.0, num_iterations=1, eval_every=0,
+                       updates_per_iteration=2, train_timesteps=3, beta=beta, ema_beta=ema_beta,
+                       learning_rate=lr, ema_every=1)
+    monkeypatch.setattr(sys, "argv", ["awm.py"] + flags)
+    torch.set_num_threads(1)
+    runpy.run_path(os.path.join(ROOT, "awm.py"), run_name="__main__")
+
+    assert len(seen["steps"]) == 2 and not (seen["official_ratio"] == 1).all()
+    file, official = (torch.cat([g[n].flatten() for n in sorted(g)]) for g in (seen["file_gradient"],
+                                                                               seen["official_gradient"]))
+    assert (file - official).norm() / official.norm() < 1e-5  # measured 1e-7; the ratio taken as 1: 2e-2
+    run, m = read_metrics(tmp_path)
+    # the logged ratio: 1 in the first mini-batch (12 terms), the official ratio in the second (12 terms)
+    ratio = seen["official_ratio"]
+    assert m[1]["train/ratio_mean"] == pytest.approx((12 + ratio.sum().item()) / 24, rel=1e-9, abs=0)
+    assert m[1]["train/ratio_mean"] != 1 and m[1]["train/first_ratio_max_dev"] == 0.0
+    plan = awm.planned_nfe(awm.Args(num_steps=4, group_size=4, prompts_per_iteration=2, train_timesteps=3,
+                                    updates_per_iteration=2, beta=beta, ema_beta=ema_beta))
+    assert plan["old"] == 3 * 4 / 2 and m[1]["perf/nfe_per_iteration"] - seen["nfe_here"] == 2 * sum(plan.values())
+    # the eval EMA stepped once, after 2 steps: decay min((1 + 2) / (10 + 2), 0.99) = 0.25 from the initial weights
+    state = torch.load(os.path.join(run, "checkpoints", "iter_1", "state.pt"), weights_only=True)
+    for n, w in state["trainable"].items():
+        torch.testing.assert_close(state["ema"][n], 0.25 * seen["steps"][0][n] + 0.75 * w)
 
 
 @pytest.mark.parametrize("over,message", [
