@@ -1,21 +1,21 @@
-"""The module the algorithm files share: plain functions, in the order a port to another code base needs.
+"""The module the algorithm files share: what each of them may treat as a black box, as plain functions, in
+the order a port to another code base needs.
 
 0. fail: a one-line error instead of a traceback
-1. Math (torch only): shifted_sigmas, strided_indices, spaced_indices, gaussian_log_prob, sde_mean_std,
-   sde_step, ode_step, dpm2_step, sa_solver_update, sa_solver, flow_matching_log_prob,
-   stratified_indices, group_advantages, combine_advantages, training_minibatches, rank_chunks,
-   coca_credit
+1. Samplers, mini-batches and CoCA's credit: shifted_sigmas, dpm2_step (DiffusionNFT's sampler),
+   sa_solver_update, sa_solver (AWM's), training_minibatches, rank_chunks, micro_batches (each rank's
+   training terms), coca_credit (flow_grpo.py --credit coca; here so that its four children need not carry it)
 2. Model: load_pipeline, latent_shape, pipeline_sigmas, encode_prompts, select, velocity (NFE), velocities,
    ode_complete, decode, make_trainable, shard, gathered, as_reference
-3. Rewards and prompts: RewardModels, loggable (secrets hidden), REWARDS, load_rewards (HPS-v2.1, CLIP
-   score, PickScore, ImageReward, aesthetic, UnifiedReward, OCR, GenEval, DeQA: rewards.py; JPEG; the toy
-   world's), score, load_prompt_set
+3. Rewards and prompts: RewardModels, loggable (secrets hidden), REWARD_FUNCTIONS (JPEG, your own),
+   load_rewards (HPS-v2.1, CLIP score, PickScore, ImageReward, aesthetic, UnifiedReward, OCR, GenEval, DeQA:
+   rewards.py; the toy world's), score, load_prompt_set
 4. Run plumbing: TOY_WORLD, parse_args, check_common_args, setup_distributed, close_distributed, gather_cat,
    sum_over_ranks, broadcast_object, iteration_generator, optimizer_step, ema_update, swapped_in
-5. Evaluation: evaluate_policy (the held-out pairs every file evaluates on)
 
-What an algorithm adds (its rollout, advantages, loss, KL and statistics) is written in its own file; what a
-run writes to its directory (logs, checkpoints, the summary) is rundir.py's, which imports this module.
+What an algorithm is (its policy's log-probability, its advantages, its loss, KL and statistics) is written in
+its own file; what a run does around it (setup, logs, evaluation, checkpoints, the summary) is rundir.py's,
+which imports this module.
 """
 import contextlib
 import dataclasses
@@ -37,62 +37,11 @@ def fail(message: str):
     raise SystemExit(f"error: {message}")
 
 
-# ======== 1. Math: schedules, SDE / ODE steps, log-probs, advantages (torch only) ========
+# ======== 1. Samplers, mini-batches, CoCA's credit (torch only) ========
 def shifted_sigmas(num_steps: int, *, shift: float) -> torch.Tensor:
     """DanceGRPO's (G2RPO's, MixGRPO's) schedule: shift u / (1 + (shift - 1) u), u = linspace(1, 0, T + 1)."""
     u = torch.linspace(1, 0, num_steps + 1, dtype=torch.float64)
     return (shift * u / (1 + (shift - 1) * u)).float()
-
-
-def strided_indices(start: int, end: int, stride: int) -> list[int]:
-    """Indices start, start + stride, ... ending exactly at `end` (the last stride may be shorter)."""
-    if stride < 1:
-        fail(f"stride {stride} is not allowed; use an integer >= 1")
-    return list(range(start, end, stride)) + [end]
-
-
-def spaced_indices(start: int, end: int, n: int) -> list[int]:
-    """Exactly min(n, end - start) steps from `start` to `end`, as evenly spaced as integers allow."""
-    n = min(n, end - start)
-    return [start + -(-j * (end - start) // n) for j in range(n + 1)]
-
-
-def gaussian_log_prob(x: torch.Tensor, mean: torch.Tensor, std: float) -> torch.Tensor:
-    """log N(x; mean, std^2), averaged over every non-batch dimension (the official per-element mean)."""
-    lp = -((x.detach() - mean) ** 2) / (2 * std**2) - math.log(std) - 0.5 * math.log(2 * math.pi)
-    return lp.mean(dim=tuple(range(1, x.ndim)))
-
-
-def sde_mean_std(v, x, sigmas, i: int, noise_level: float, *, form: str = "flow_grpo"):
-    """Mean and std of an Euler-Maruyama step sigmas[i] -> sigmas[i + 1] (dt < 0) of the marginal-preserving
-    SDE dx = [v + g^2 / (2 sigma) (x + (1 - sigma) v)] dt + g dW (Flow-GRPO Eq. 9, G2RPO Eq. 3), g = a
-    sqrt(sigma / (1 - sigma)) ("flow_grpo": std_dev_t) or eta ("dance"). Float32 (mean, g sqrt(-dt), g)."""
-    if form not in ("flow_grpo", "dance"):
-        fail(f"noise form {form!r} is not known; use 'flow_grpo' or 'dance'")
-    v, x = v.float(), x.float()
-    sigma, dt = float(sigmas[i]), float(sigmas[i + 1]) - float(sigmas[i])
-    below = float(sigmas[1]) if sigma == 1 else sigma  # Flow-GRPO: sigma = 1 -> sigmas[1] in the denominator
-    g = noise_level * math.sqrt(sigma / (1 - below)) if form == "flow_grpo" else noise_level
-    mean = x + (v + g**2 / (2 * sigma) * (x + (1 - sigma) * v)) * dt
-    return mean, g * math.sqrt(-dt), g
-
-
-def sde_step(v, x, sigmas, i: int, noise_level: float, *, prev_sample=None, generator=None,
-             form: str = "flow_grpo"):
-    """One SDE step: x_next (sampled unless `prev_sample` is given) and its log-prob; noise level 0 is the
-    Euler ODE step x + v dt (log-prob 0). Returns (x_next, log_prob, mean, std)."""
-    mean, std, _ = sde_mean_std(v, x, sigmas, i, noise_level, form=form)
-    if prev_sample is None:
-        noise = torch.randn(x.shape, generator=generator, device=generator.device if generator else x.device)
-        prev_sample = mean + std * noise.to(x.device) if std > 0 else mean
-    prev_sample = prev_sample.float()
-    log_prob = gaussian_log_prob(prev_sample, mean, std) if std > 0 else torch.zeros(len(x), device=x.device)
-    return prev_sample, log_prob, mean, std
-
-
-def ode_step(v, x, sigma: float, sigma_next: float):
-    """Euler step of the probability-flow ODE dx = v dt (float32)."""
-    return x.float() + v.float() * (float(sigma_next) - float(sigma))
 
 
 def dpm2_step(v, x, sigmas, i: int, *, x0_prev=None):
@@ -162,52 +111,6 @@ def sa_solver(velocity_fn, x, sigmas, *, noise_level: float = 0.0, generator=Non
     return x0s[-1]  # denoise to zero
 
 
-def flow_matching_log_prob(mse, t, weighting: str, power: float = 0.25):
-    """AWM's surrogate log-prob (train_sd3_awm.py, compute_log_prob_awm) of a flow-matching error mse =
-    mean (v - (eps - x0))^2 at time t: "ghuber" -((mse + 1e-10)^p - 1e-10^p) t / p, "huber" -(sqrt(mse +
-    1e-10) - 1e-5) t, "Uniform" -mse, "t" -mse t, "t**2" -mse t^2."""
-    if weighting == "ghuber":
-        return -((mse + 1e-10) ** power - 1e-10**power) * t / power
-    if weighting == "huber":
-        return -(torch.sqrt(mse + 1e-10) - 1e-5) * t
-    if weighting not in ("Uniform", "t", "t**2"):
-        fail(f"weighting {weighting!r} is not known; use ghuber, huber, Uniform, t or t**2")
-    return -mse * {"Uniform": 1.0, "t": t, "t**2": t**2}[weighting]
-
-
-def stratified_indices(end: int, k: int, n: int, *, kind: str = "discrete", generator=None):
-    """AWM's trained schedule indices (train_sd3_awm.py, time_type discrete*), n draws [n, k] long: one
-    uniform index in each of the k strata [b_j, b_j+1) of b = linspace(start, end, k + 1) in float32,
-    truncated to integers; "discrete" starts at 0, "discrete_wo_init" at 1, "discrete_with_init" is index 0,
-    then k - 1 strata from 1."""
-    first, start = int(kind == "discrete_with_init"), int(kind != "discrete")
-    bounds = torch.linspace(start, end, k - first + 1).long()
-    u = torch.rand(n, k - first, generator=generator)
-    return torch.cat([torch.zeros(n, first, dtype=torch.long), bounds[:-1] + (u * bounds.diff()).long()], 1)
-
-
-def group_advantages(rewards, *, eps: float, unbiased: bool, global_std: bool = False):
-    """GRPO advantages of rewards [P, G] (P groups of G): (r - group mean) / (std + eps), the std per group or
-    over all P G rewards. A group of equal rewards gets exactly zero advantage (never NaN or eps-blown)."""
-    r = rewards.double()
-    std = r.std(unbiased=unbiased) if global_std else r.std(dim=1, keepdim=True, unbiased=unbiased)
-    adv = (r - r.mean(dim=1, keepdim=True)) / (std + eps)
-    flat = r.max(dim=1, keepdim=True).values == r.min(dim=1, keepdim=True).values
-    return torch.where(flat, torch.zeros_like(adv), adv).float()
-
-
-def combine_advantages(rewards: dict, weights: dict, *, mode: str, eps: float, unbiased: bool,
-                       global_std: bool):
-    """Rewards {name: [P, G]} -> one advantage [P, G]: the weighted sum of the rewards each normalised
-    ("advantages": DanceGRPO, G2RPO, MixGRPO) or their weighted sum normalised ("rewards": Flow-GRPO)."""
-    norm = {"eps": eps, "unbiased": unbiased, "global_std": global_std}
-    if mode == "advantages":
-        return sum(weights[n] * group_advantages(r, **norm) for n, r in rewards.items())
-    if mode == "rewards":
-        return group_advantages(sum(weights[n] * r for n, r in rewards.items()), **norm)
-    fail(f"reward combination {mode!r} is not known; use 'advantages' or 'rewards'")
-
-
 def training_minibatches(advantages, *, updates: int, micro_batches: int, generator):
     """Flow-GRPO's trained samples (train_sd3.py): of all ranks' advantages [trained steps, N], samples zero
     at every step dropped, random dropped ones put back until `micro_batches` divides the number kept,
@@ -230,6 +133,33 @@ def rank_chunks(minibatch, *, rank: int, world: int, per_rank: int, micro_batch:
         most = -(-int(torch.bincount(minibatch // per_rank, minlength=world).max()) // micro_batch)
         chunks += [(torch.zeros(1, dtype=torch.long), 0.0)] * (most - len(chunks))
     return chunks
+
+
+def micro_batches(minibatch, *, steps, part: dict, signal=None, trains=None) -> list:
+    """This rank's training terms of a mini-batch of sample indices over all ranks (rank r holds r * per_rank,
+    ...), in the order they train: [(j, c, scale)] for each step j of `steps` and each of this rank's
+    micro-batches (at most part["micro_batch"] samples), c the local rows that train step j (those with
+    trains[c, j] when a mask is given), scale their share of the mean over the mini-batch's terms times the
+    world size (the ranks' gradients are averaged). A term whose signal(j, c) is false has no gradient (no
+    advantage and no KL): it is left out, or, sharded, kept at scale 0, as are the forwards that bring a
+    sharded rank up to the busiest rank's count: every rank joins FSDP2's collectives alike."""
+    chunks = rank_chunks(minibatch, **part)
+    per_sample = len(steps) if trains is None else int(trains[:, steps].sum(1).max())  # terms per sample
+    terms = []
+    for j in steps:
+        for c, weight in chunks:
+            c = c if trains is None or weight == 0 else c[trains[c, j]]
+            if not len(c):
+                continue
+            useful = weight > 0 and (signal is None or bool(signal(j, c)))
+            if useful and trains is None:
+                terms.append((j, c, weight / per_sample))
+            elif useful:  # rows / this rank's terms, rounded in float32 as DanceGRPO's (loss * rows) / terms
+                per_rank_terms = len(minibatch) // part["world"] * per_sample
+                terms.append((j, c, float(torch.ones(()) / per_rank_terms * len(c))))
+            elif part["sharded"]:
+                terms.append((j, c, 0.0))
+    return terms
 
 
 def coca_credit(advantages, x0_hats, final, *, window: int, alpha: float, group_size: int, trained: int):
@@ -401,9 +331,10 @@ def velocities(transformer, kind: str, x, sigma, emb: dict, *, rows, chunks, gui
 
 @torch.no_grad()
 def ode_complete(transformer, kind: str, x, paths: list, sigmas, emb: dict, *, guidance: float,
-                 micro_batch: int, v_first=None, emb_index=None):
+                 micro_batch: int, v_first=None, emb_index=None, progress=None):
     """Euler ODE from each x[n] (embedding emb_index[n], default n) along schedule indices paths[n + k N]; a
-    start's velocity is evaluated once (or `v_first`) for all its paths, later steps batch all moving rows."""
+    start's velocity is evaluated once (or `v_first`) for all its paths, later steps batch all moving rows.
+    `progress()` is called after each step."""
     n, reps = len(x), len(paths) // len(x)
     start = torch.arange(n).repeat(reps)  # row -> its start
     emb_index = torch.arange(n) if emb_index is None else emb_index.cpu()
@@ -422,6 +353,8 @@ def ode_complete(transformer, kind: str, x, paths: list, sigmas, emb: dict, *, g
         ds = (sigmas[[paths[r][k + 1] for r in live]] - s).to(x.device).view(-1, *[1] * (x.ndim - 1))
         v = v_first[start[rows]].float() if k == 0 else v_of(x[rows], s, emb_index[start[rows]])
         x[rows] = x[rows] + v * ds  # Euler step dx = v dt
+        if progress:
+            progress()
     return x
 
 
@@ -435,13 +368,14 @@ def decode(pipe, latents, *, batch: int = 4) -> torch.Tensor:
     return ((images.float() + 1) / 2).clamp(0, 1)
 
 
-def make_trainable(transformer, kind: str, *, lora_rank: int, lora_alpha: float, full_finetune: bool,
-                   reference: bool, sharded: bool = False, compute_dtype=None, checkpointing: bool = False):
-    """LoRA (peft, gaussian init) on the attention (Flux: and MLP) projections, or full fine-tuning. Returns
-    ({name: trainable float32 parameter}, with `reference` and full fine-tuning a frozen copy of the initial
-    transformer, else None). `sharded`: FSDP2 for both, float32 master weights from the local shards.
-    `checkpointing`: per-block activation checkpointing."""
+def make_trainable(transformer, kind: str, *, lora: tuple | None, reference: bool, sharded: bool = False,
+                   compute_dtype=None, checkpointing: bool = False):
+    """LoRA (peft, gaussian init; `lora` = (rank, alpha)) on the attention (Flux: and MLP) projections, or
+    with `lora` None full fine-tuning. Returns ({name: trainable float32 parameter}, with `reference` and full
+    fine-tuning a frozen copy of the initial transformer, else None). `sharded`: FSDP2 for both, float32
+    master weights from the local shards. `checkpointing`: per-block activation checkpointing."""
     import copy
+    full_finetune = lora is None
     ref = copy.deepcopy(transformer).requires_grad_(False) if reference and full_finetune else None
     if checkpointing:
         transformer.enable_gradient_checkpointing()
@@ -449,7 +383,7 @@ def make_trainable(transformer, kind: str, *, lora_rank: int, lora_alpha: float,
         transformer.requires_grad_(True)
     else:
         from peft import LoraConfig
-        transformer.add_adapter(LoraConfig(r=lora_rank, lora_alpha=lora_alpha, init_lora_weights="gaussian",
+        transformer.add_adapter(LoraConfig(r=lora[0], lora_alpha=lora[1], init_lora_weights="gaussian",
                                            target_modules=LORA_TARGETS[kind]))
     if sharded:
         for model in [m for m in (transformer, ref) if m is not None]:
@@ -570,7 +504,7 @@ def loggable(args) -> dict:
 
 LEARNED = ["hps", "clip", "pickscore", "imagereward", "aesthetic", "unifiedreward", "ocr", "geneval",
            "deqa"]  # rewards.py's models and clients
-REWARDS = LEARNED + ["jpeg", "toy_color_position", "toy_shape_count", "toy_strict"]
+TOY_REWARDS = ["toy_color_position", "toy_shape_count", "toy_strict"]  # toy/world.py's exact rewards
 
 
 def import_sibling(name: str):
@@ -589,8 +523,9 @@ def import_sibling(name: str):
 def check_rewards(names, models: RewardModels):
     """Unknown reward names, missing reward model files (rewards.check): one-line errors before loading."""
     for name in names:
-        if name not in REWARDS:
-            fail(f"unknown reward {name!r}; choose from {REWARDS}")
+        known = LEARNED + list(REWARD_FUNCTIONS) + TOY_REWARDS
+        if name not in known:
+            fail(f"unknown reward {name!r}; choose from {known}")
         if name in LEARNED:
             import_sibling("rewards").check(name, models)
 
@@ -606,16 +541,21 @@ def jpeg_compressibility(images, prompts):
     return -torch.tensor(sizes) / 500
 
 
+# Rewards that are plain functions of images and prompts: {name: fn(images [B, 3, H, W] in [0, 1], prompts) ->
+# [B]}. Add your own here, or from a launcher script before the algorithm file runs (docs/rewards.md).
+REWARD_FUNCTIONS = {"jpeg": jpeg_compressibility}
+
+
 def load_rewards(names, device, *, models: RewardModels, dtype=torch.float32) -> dict:
     """{name: fn(images, prompts) -> float32 [B]} for each named reward, loaded once: the towers held and run
-    in `dtype` (bf16 on GPUs), every projection, scale and head in float32 (README: reward precision)."""
+    in `dtype` (bf16 on GPUs), every projection, scale and head in float32 (docs/rewards.md: precision)."""
     check_rewards(names, models)
     out = {}
     for name in dict.fromkeys(names):
-        if name in LEARNED:  # the reward models' ports live in rewards.py (README: layout)
+        if name in LEARNED:  # the reward models' ports live in rewards.py (docs/contributing.md: layout)
             out[name] = import_sibling("rewards").load(name, device, models=models, dtype=dtype)
-        elif name == "jpeg":
-            out[name] = jpeg_compressibility
+        elif name in REWARD_FUNCTIONS:
+            out[name] = REWARD_FUNCTIONS[name]
         else:  # the toy world's exact rewards (toy/world.py)
             world = import_sibling("toy.world")
             out[name] = getattr(world, {"toy_strict": "toy_strict_accuracy"}.get(name, name + "_reward"))
@@ -666,8 +606,8 @@ def load_prompt_set(path: str, *, split: str = "train", rewards=()) -> list[str]
         fail(f"prompt file {path!r} is a directory; pass a text file with one prompt per line (or a .jsonl "
              f"file)")
     if not os.path.isfile(path):
-        fail(f"prompt file {path!r} does not exist; README 'Prompt sets' says where each paper's prompts "
-             f"come from (or pass any text file with one prompt per line)")
+        fail(f"prompt file {path!r} does not exist; docs/rewards.md 'Prompt sets' says where each paper's "
+             f"prompts come from (or pass any text file with one prompt per line)")
     try:
         with open(path, encoding="utf-8") as f:
             lines = [(n, line.strip()) for n, line in enumerate(f, 1) if line.strip()]
@@ -806,16 +746,12 @@ def check_common_args(args, world: int):
     if args.reward_weights and len(args.reward_weights) != len(args.rewards):
         fail(f"--reward-weights has {len(args.reward_weights)} values for {len(args.rewards)} rewards; give "
              f"one per reward")
-    if hasattr(args, "psi_range") and not args.psi_range[0] < args.psi_range[1]:
-        fail("--psi-range {} {} is not allowed; give the lower bound first".format(*args.psi_range))
     if args.ema and args.full_finetune and world > 1:
         fail("--ema is not supported with sharded full fine-tuning (world size > 1); pass --no-ema")
     check_rewards(args.rewards + args.eval_rewards, args.reward_models)
     if args.resume and not os.path.isdir(args.resume):
         fail(f"--resume {args.resume!r} is not a directory; pass a run directory (runs/<run_name>)")
     check_output_path(args.output_dir, flag="--output-dir", directory=True)
-    if getattr(args, "psi_out", None):
-        check_output_path(args.psi_out, flag="--psi-out", directory=False)
 
 
 def setup_distributed():
@@ -943,32 +879,3 @@ def swapped_in(params: list, values):
         with torch.no_grad():
             for p, b in zip(params, backup):
                 p.copy_(b)
-
-
-# ======== 5. Evaluation ========
-@torch.no_grad()
-def evaluate_policy(transformer, *, pipe, kind: str, prompts: list[str], rewards: dict, num_pairs: int,
-                    sigmas, guidance: float, max_sequence_length: int, micro_batch: int, shape: tuple,
-                    sharded: bool, rank: int, world: int, device, autocast=None, first_seed: int = 10**6):
-    """ODE samples of fixed held-out pairs 0 .. num_pairs - 1 (pair k: prompt k mod len(prompts), noise seed
-    first_seed + k), this rank's equal share (the last pair repeated so all ranks run the same forwards),
-    scored by every reward. Returns ({reward: all pairs' scores}, this rank's images, prompts and scores)."""
-    n = -(-num_pairs // world)
-    pairs = [min(k, num_pairs - 1) for k in range(rank * n, (rank + 1) * n)]
-    local_prompts = [prompts[k % len(prompts)] for k in pairs]
-    noise = torch.stack([torch.randn(*shape, generator=torch.Generator().manual_seed(first_seed + k))
-                         for k in pairs])
-    emb = encode_prompts(pipe, kind, local_prompts, max_sequence_length=max_sequence_length, cfg=guidance)
-    paths = [list(range(len(sigmas)))] * len(noise)
-    with autocast or contextlib.nullcontext(), gathered(transformer, sharded=sharded):  # after the encoding
-        x0 = ode_complete(transformer, kind, noise.to(device), paths, sigmas, emb, guidance=guidance,
-                          micro_batch=micro_batch)
-    images = torch.cat([decode(pipe, z) for z in x0.split(micro_batch)])
-    local = score(rewards, images, local_prompts, evaluation=True)
-    scores = {k: gather_cat(v.to(device)).cpu()[:num_pairs] for k, v in local.items()}
-    for fn in rewards.values():
-        if hasattr(fn, "breakdown"):  # GenEval's accuracies per tag
-            scores.update(fn.breakdown(scores, [prompts[k % len(prompts)] for k in range(num_pairs)]))
-    return scores, images, local_prompts, local
-
-

@@ -6,7 +6,7 @@ first entry +- its paired standard error. Under torchrun the pairs are split con
 
 Pairs: the first --num-prompts prompts (P of them) times --seeds-per-prompt (N); pair k = 0 .. P N - 1 is
 prompt k mod P with noise seed 10^6 (seed + 1) + k, so --seed 0 gives a training run's evaluation pairs
-(common.evaluate_policy: --eval-num P N pairs of its --eval-prompts, noise seed 10^6 + k) and, in float32,
+(rundir.Run.evaluate: --eval-num P N pairs of its --eval-prompts, noise seed 10^6 + k) and, in float32,
 reproduces its eval_<N>.json exactly at its settings (in bf16 up to rounding: training keeps its trainable
 weights in float32, evaluate.py runs a checkpoint as diffusers loads it, in bf16). The defaults are G2RPO's
 and MixGRPO's evaluation of FLUX.1-dev: 1024 px, 50 steps, guidance 3.5, 512 T5 tokens. --model toy evaluates
@@ -20,7 +20,7 @@ G2RPO, Table 1 (400 HPDv2 test prompts, FLUX.1-dev; HPS-v2.1, CLIP, PickScore, I
 
 DenseGRPO, DrawBench (its 200 prompts, one per line; SD3.5-M at Flow-GRPO's and DenseGRPO's 512 px, 40
 steps, guidance 4.5, 128 tokens; PickScore, aesthetic, ImageReward, UnifiedReward, DeQA-Score from Flow-GRPO's
-reward server; README: GenEval, OCR and DeQA-Score has the task metrics' commands):
+reward server; docs/rewards.md, GenEval, OCR and DeQA-Score, has the task metrics' commands):
     torchrun --nproc_per_node 8 evaluate.py --model sd3.5-medium --checkpoints runs/<densegrpo run> \\
         --prompts data/drawbench/test.txt --resolution 512 --steps 40 --guidance 4.5 \\
         --max-sequence-length 128 \\
@@ -44,7 +44,7 @@ from common import (ARG_RANGES, MODEL_ALIASES, RewardModels, broadcast_object, c
                     check_ranges, check_rewards, close_distributed, decode, encode_prompts, fail, gather_cat,
                     latent_shape, load_pipeline, load_prompt_set, load_rewards, loggable, ode_complete,
                     parse_args, pipeline_sigmas, score, setup_distributed)
-from rundir import latest_checkpoint, paired_change
+from rundir import decimals, latest_checkpoint, paired_change
 
 
 @dataclass
@@ -86,8 +86,9 @@ class Args:
     """latents per model forward and per reward call"""
     mixed_precision: Literal["no", "bf16"] = "bf16"
     """the transformer's and a LoRA's dtype on CUDA, as diffusers loads them; the rewards run in float32"""
-    out: str = "evaluation"
-    """output directory: scores.json (every pair's score per entry and metric) and table.md"""
+    out: str = "runs/evaluation"
+    """output directory: scores.json (every pair's score per entry and metric) and table.md (under runs/, with
+    the training runs, out of version control)"""
     overwrite: bool = False
     """replace the scores.json and table.md of an earlier evaluation in --out (else they are an error)"""
 
@@ -251,13 +252,6 @@ def mean_se(values: list) -> str:
     t = torch.tensor(values, dtype=torch.float64)
     se = float(t.std() / math.sqrt(len(t))) if len(t) > 1 else math.nan
     return f"{float(t.mean()):.{decimals(se)}f} +- {se:.{decimals(se)}f}"
-
-
-def decimals(se: float) -> int:
-    """Decimals that show a standard error to two significant digits (4 when it is 0 or undefined)."""
-    if not math.isfinite(se) or se <= 0:
-        return 4
-    return min(max(1 - int(f"{se:.1e}".split("e")[1]), 0), 10)  # the exponent of se rounded to 2 digits
 
 
 def table(args, entries: list[dict], scores: list[dict], *, num_prompts: int, kind: str) -> str:

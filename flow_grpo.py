@@ -1,27 +1,22 @@
-# Flow-GRPO (Liu et al., 2025, arXiv 2505.05470); docs: README.md#flow-grpo
+# Flow-GRPO (Liu et al., 2025, arXiv 2505.05470); docs: docs/flow_grpo.md
 """Flow-GRPO: SDE sampling at every step, each image's group-normalised reward as every trained step's
 advantage (--credit coca: its share by CoCA's credit), a PPO-clipped ratio of per-step likelihoods, a KL.
 
 The defaults are the paper's setting; --model toy trains the embedded toy model on a CPU."""
+import math
 import os
-import time
 from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
 import tyro
-from tqdm import tqdm
 
-from common import (NFE, TOY_WORLD, RewardModels, as_reference, check_common_args, close_distributed,
-                    combine_advantages, decode, ema_update, encode_prompts, evaluate_policy, fail, gather_cat,
-                    gathered, iteration_generator, latent_shape, load_pipeline, load_prompt_set, load_rewards,
-                    make_trainable, optimizer_step, parse_args, pipeline_sigmas, rank_chunks, score,
-                    seed_everything, select, setup_distributed, sum_over_ranks, swapped_in,
-                    training_minibatches, velocities, velocity)
-from rundir import (image_grid, load_state, log_metrics, make_writer, resume_checkpoint, run_directory,
-                    run_summary, save_eval_grid, save_state)
+from common import (TOY_WORLD, RewardModels, as_reference, check_common_args, decode, encode_prompts, fail,
+                    gather_cat, gathered, iteration_generator, micro_batches, parse_args, pipeline_sigmas,
+                    score, select, training_minibatches, velocities, velocity)
+from rundir import Stats, start_run
 # algorithm specific
-from common import coca_credit, max_over_ranks, sde_mean_std, sde_step
+from common import coca_credit
 
 
 @dataclass
@@ -93,7 +88,7 @@ class Args:
     adv_clip: float = 5.0
     """advantages are clipped to +-adv_clip"""
     clip_range: float = 1e-4
-    """PPO ratio clip range"""
+    """PPO ratio clip range (tiny: the log-prob is a per-element mean, sde_step)"""
     beta: float = 0.01
     """KL coefficient against the reference model (LoRA off, or a frozen copy when fully fine-tuning)"""
     kl_form: Literal["official", "exact"] = "official"
@@ -132,6 +127,8 @@ class Args:
     """number of iterations (rollout + update)"""
     eval_every: int = 30
     """evaluate every N iterations and at the end (0: never)"""
+    eval_base: bool = True
+    """evaluate the base model before the first iteration of a new run (--no-eval-base: runs that share it)"""
     eval_num: int = 512
     """held-out prompt/seed pairs per evaluation"""
     save_every: int = 30
@@ -142,7 +139,7 @@ class Args:
     """log a grid of one group's images every N iterations"""
 
 
-# --model toy: a ~2M-parameter Flux on 32x32 shapes (README: the toy world). Explicit flags still win.
+# --model toy: a ~2M-parameter Flux on 32x32 shapes (docs/toy_world.md). Explicit flags still win.
 TOY = {**TOY_WORLD, "learning_rate": 1e-4, "prompts_per_iteration": 8, "global_std": False, "beta": 0.04,
        "noise_level": 0.7, "timestep_fraction": 0.5, "updates_per_iteration": 1}
 
@@ -172,100 +169,75 @@ def planned_nfe(args) -> dict:
             "reference": trained * args.group_size if args.beta > 0 else 0}
 
 
+def sde_step(v, x, sigmas, i: int, noise_level: float, *, prev_sample=None, generator=None):
+    """One Euler-Maruyama step sigmas[i] -> sigmas[i + 1] (dt < 0) of the marginal-preserving SDE (Eq. 9)
+    dx = [v + g^2 / (2 sigma) (x + (1 - sigma) v)] dt + g dW, g = a sqrt(sigma / (1 - sigma)) (std_dev_t):
+    x_next (drawn unless `prev_sample` gives it) and its log-probability, in float32; noise level 0 is the
+    ODE's Euler step (log-prob 0). Returns (x_next, log_prob, mean, std)."""
+    v, x = v.float(), x.float()
+    sigma, dt = float(sigmas[i]), float(sigmas[i + 1]) - float(sigmas[i])
+    below = float(sigmas[1]) if sigma == 1 else sigma  # official: sigma = 1 -> sigmas[1] in the denominator
+    g = noise_level * math.sqrt(sigma / (1 - below))
+    mean, std = x + (v + g**2 / (2 * sigma) * (x + (1 - sigma) * v)) * dt, g * math.sqrt(-dt)
+    if prev_sample is None:
+        noise = torch.randn(x.shape, generator=generator, device=generator.device if generator else x.device)
+        prev_sample = mean + std * noise.to(x.device) if std > 0 else mean
+    prev_sample = prev_sample.float()
+    if std == 0:
+        return prev_sample, torch.zeros(len(x), device=x.device), mean, std
+    # log N(x_next; mean, std^2) averaged over the D elements of a latent (the official code), not summed: the
+    # ratio is exp(log density ratio / D), hence a tiny --clip-range (1e-4: e^6.6 in density at SD3's 512 px)
+    log_density = (-((prev_sample.detach() - mean) ** 2) / (2 * std**2) - math.log(std)
+                   - 0.5 * math.log(2 * math.pi))
+    return prev_sample, log_density.mean(dim=tuple(range(1, x.ndim))), mean, std
+
+
+def group_advantages(rewards, *, eps: float, global_std: bool):
+    """GRPO's advantages (Eq. 4) of rewards [P, G], P groups of a prompt's G images: (r - the group's mean) /
+    (std + eps), the population std of the group or of all P G rewards (global_std); 0 for equal rewards."""
+    r = rewards.double()
+    std = r.std(unbiased=False) if global_std else r.std(dim=1, keepdim=True, unbiased=False)
+    adv = (r - r.mean(dim=1, keepdim=True)) / (std + eps)
+    flat = r.max(dim=1, keepdim=True).values == r.min(dim=1, keepdim=True).values
+    return torch.where(flat, torch.zeros_like(adv), adv).float()
+
+
+def combined_advantages(rewards: dict, weights: dict, *, mode: str, eps: float, global_std: bool):
+    """Several rewards {name: [P, G]}: the advantages of their weighted sum (mode "rewards", Flow-GRPO) or the
+    weighted sum of each one's advantages ("advantages")."""
+    norm = {"eps": eps, "global_std": global_std}
+    if mode == "advantages":
+        return sum(weights[k] * group_advantages(r, **norm) for k, r in rewards.items())
+    return group_advantages(sum(weights[k] * r for k, r in rewards.items()), **norm)
+
+
 if __name__ == "__main__":
     args = parse_args(Args, toy=TOY, description=__doc__)
-    rank, world, device = setup_distributed()
-    is_main = rank == 0
-    check_args(args, world)
-    ckpt, start = None, 0
-    if args.resume:
-        script = os.path.basename(__file__)
-        ckpt, start = resume_checkpoint(args.resume, args=args, world=world, script=script)
-
-    # the prompts before the run directory: a missing prompt file leaves nothing behind
-    train_prompts = load_prompt_set(args.prompts, split="train", rewards=args.rewards)
-    eval_prompts = load_prompt_set(args.eval_prompts, split="test",
-                                   rewards=args.rewards + args.eval_rewards)
-
-    # TRY NOT TO MODIFY: run name (runs/<model>__<exp_name>__<seed>__<time>), logging, seeding
-    run_dir = run_directory(args, checkpoint=ckpt)
-    if is_main:
-        writer = make_writer(run_dir, args, resume_iteration=start if ckpt else None)
-    seed_everything(args.seed, deterministic=args.torch_deterministic)
-
-    # TRY NOT TO MODIFY: model, rewards, prompts, optimizer
-    use_bf16 = args.mixed_precision == "bf16" and device.type == "cuda"
-    compute_dtype = torch.bfloat16 if use_bf16 else torch.float32
-    # the rewards first: a reward file that cannot be read fails before the large model loads
-    weights = dict(zip(args.rewards, args.reward_weights or [1.0] * len(args.rewards)))
-    eval_fns = load_rewards(args.rewards + args.eval_rewards, device, models=args.reward_models,
-                            dtype=compute_dtype)
-    reward_fns = {k: eval_fns[k] for k in args.rewards}
-    pipe, kind = load_pipeline(args.model, device, dtype=compute_dtype)
-    transformer = pipe.transformer
-    C, H, W = latent_shape(pipe, kind, args.resolution)
-    # FSDP2 across ranks; LoRA runs average their gradients (DDP style)
-    sharded = args.full_finetune and world > 1
-    params, ref_model = make_trainable(
-        transformer, kind, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
-        full_finetune=args.full_finetune, reference=args.beta > 0, sharded=sharded,
-        compute_dtype=compute_dtype, checkpointing=args.gradient_checkpointing)
-    optimizer = torch.optim.AdamW(params.values(), lr=args.learning_rate, betas=(0.9, 0.999),
-                                  weight_decay=args.weight_decay, eps=1e-8)
-    ema = [p.detach().float().clone() for p in params.values()] if args.ema else None
-    if ckpt:
-        ema = load_state(ckpt, transformer=transformer, optimizer=optimizer, params=params,
-                         sharded=sharded, device=device, ema=args.ema, learning_rate=args.learning_rate,
-                         weight_decay=args.weight_decay)
-    # bf16 autocast only for unsharded full fine-tuning: LoRA and FSDP2 already compute in bf16
-    use_autocast = use_bf16 and args.full_finetune and not sharded
-    amp = torch.autocast(device.type, dtype=compute_dtype, enabled=use_autocast, cache_enabled=False)
-    P, G, T = args.prompts_per_iteration // world, args.group_size, args.num_steps
-    # training samples with the pipeline's own schedule (Flow-GRPO), evaluation too
-    sigmas = pipeline_sigmas(pipe, kind, num_steps=T, image_tokens=H * W // 4)
-    eval_sigmas = pipeline_sigmas(pipe, kind, num_steps=args.eval_steps, image_tokens=H * W // 4)
+    # TRY NOT TO MODIFY: the process group, the run directory and its logs, the rewards, the model and its
+    # trainable weights (LoRA, or FSDP2 across ranks), the reference, the optimizer; --resume restores them
+    run = start_run(args, script=__file__, check_args=check_args, planned_nfe=planned_nfe,
+                    reference=args.beta > 0)
+    transformer, kind, rank, world, amp = run.transformer, run.kind, run.rank, run.world, run.amp
+    P, G, T, (C, H, W) = args.prompts_per_iteration // world, args.group_size, args.num_steps, run.shape
+    sigmas = pipeline_sigmas(run.pipe, kind, num_steps=T, image_tokens=H * W // 4)  # the pipeline's schedule
     n_train = int(T * args.timestep_fraction)
-    nfe_min = planned_nfe(args)["rollout"]
 
-    def evaluate(iteration):
-        """ODE samples of the fixed held-out prompt/seed pairs, scored by every reward."""
-        with swapped_in(list(params.values()), ema):
-            scores, images, prompts, local = evaluate_policy(
-                transformer, pipe=pipe, kind=kind, prompts=eval_prompts, rewards=eval_fns,
-                num_pairs=args.eval_num, sigmas=eval_sigmas, guidance=args.guidance,
-                max_sequence_length=args.max_sequence_length, micro_batch=args.micro_batch,
-                shape=(C, H, W), sharded=sharded, rank=rank, world=world, device=device, autocast=amp)
-        if is_main:
-            means = {f"eval/{k}": v.mean() for k, v in scores.items()}
-            log_metrics(writer, run_dir, iteration, means, per_sample=scores)
-            save_eval_grid(run_dir, iteration, images, prompts, local)
-        weighted = sum(weights[k] * scores[k].mean() for k in args.rewards) / sum(weights.values())
-        return iteration, weighted.item()
-
-    t0 = time.time()
-    # iteration 0: the base model
-    last_eval = evaluate(0) if start == 0 and args.eval_every else None
-    bar = "{percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}]{postfix}"
-    pbar = tqdm(range(start, args.num_iterations), disable=not is_main, initial=start,
-                total=args.num_iterations, bar_format=bar)
-    for iteration in pbar:
-        t_start, cpu_start = time.time(), time.process_time()
-        nfe_start = NFE["count"]
+    for iteration in run.iterations():
         gen = iteration_generator(args.seed, iteration, rank)
 
         # ALGO LOGIC: rollout (the SDE at every sampling step)
         train_steps = list(range(n_train))
         noise_levels = [args.noise_level if i < T - 1 or i in train_steps else 0.0 for i in range(T)]
-        prompts = [train_prompts[i] for i in torch.randint(len(train_prompts), (P,), generator=gen)]
+        prompts = [run.train_prompts[i] for i in torch.randint(len(run.train_prompts), (P,), generator=gen)]
         group = torch.arange(P).repeat_interleave(G)  # sample -> its prompt
-        x = torch.randn(P, G, C, H, W, generator=gen).reshape(P * G, C, H, W).to(device)
+        x = torch.randn(P, G, C, H, W, generator=gen).reshape(P * G, C, H, W).to(run.device)
         latents = [x]
         old_log_probs = []
         sampler_velocities = []
         chunks = torch.arange(P * G).split(args.micro_batch)
-        emb = encode_prompts(pipe, kind, prompts, max_sequence_length=args.max_sequence_length,
+        emb = encode_prompts(run.pipe, kind, prompts, max_sequence_length=args.max_sequence_length,
                              cfg=args.guidance)
-        with torch.no_grad(), amp, gathered(transformer, sharded=sharded):
+        with torch.no_grad(), amp, gathered(transformer, sharded=run.sharded):
             for i in range(T):
                 v = velocities(transformer, kind, latents[i], sigmas[i], emb, rows=group, chunks=chunks,
                                guidance=args.guidance)
@@ -275,17 +247,15 @@ if __name__ == "__main__":
                 old_log_probs.append(torch.cat([log_prob for _, log_prob, *_ in steps]))
                 if args.credit == "coca":  # for x0_hat_k below
                     sampler_velocities.append(v)
-            images = torch.cat([decode(pipe, latents[-1][c]) for c in chunks])
-        nfe_rollout = NFE["count"] - nfe_start
-        t_rollout = time.time() - t_start
+            images = torch.cat([decode(run.pipe, latents[-1][c]) for c in chunks])
 
         # ALGO LOGIC: rewards and advantages (one reward per image, broadcast to every trained step)
-        scores = score(reward_fns, images, [prompts[g] for g in group])
-        all_scores = {k: gather_cat(v.view(P, G).to(device)).cpu() for k, v in scores.items()}
-        advantages = combine_advantages(all_scores, weights, mode=args.reward_combine, eps=args.adv_eps,
-                                        unbiased=False, global_std=args.global_std)
+        scores = score(run.reward_fns, images, [prompts[g] for g in group])
+        all_scores = {k: gather_cat(v.view(P, G).to(run.device)).cpu() for k, v in scores.items()}
+        advantages = combined_advantages(all_scores, run.weights, mode=args.reward_combine, eps=args.adv_eps,
+                                         global_std=args.global_std)
         advantages = advantages.clamp(-args.adv_clip, args.adv_clip)
-        advantages = advantages[rank * P:(rank + 1) * P].reshape(-1).to(device)
+        advantages = advantages[rank * P:(rank + 1) * P].reshape(-1).to(run.device)
         if args.credit == "coca":  # CoCA, x0_hat_k = x_k - sigma_k v(x_k) from the rollout's velocities
             x0_hats = torch.stack([latents[i] - sigmas[i] * sampler_velocities[i] for i in range(T)])
             advantages = coca_credit(advantages, x0_hats, latents[T], window=args.coca_window,
@@ -294,104 +264,51 @@ if __name__ == "__main__":
         advantages = advantages.expand(T, -1)  # [T, N]: an advantage per step and sample
 
         # ALGO LOGIC: policy update (the PPO-clipped ratio of per-step log-probs, the KL to the reference)
-        sums = dict.fromkeys(["terms", "ratio_mean", "clipfrac", "approx_kl", "policy_loss", "kl"], 0.0)
-        first_ratio_dev = 0.0  # max |ratio - 1| in the first mini-batch: 0 if sampling and training agree
-        grad_norms = []
+        stats = Stats("ratio_mean", "clipfrac", "approx_kl", "policy_loss", "kl",
+                      maxima=("first_ratio_max_dev",))  # means over the terms; the maximum over the ranks
         # all ranks' samples but those of A = 0 at every step (train_sd3.py), shuffled alike on all ranks
         trained_advantages = gather_cat(advantages[train_steps].T.contiguous()).T
         same_on_ranks = iteration_generator(args.seed, iteration, 0, stream=1)
-        micro_batches = -(-trained_advantages.shape[1] // args.micro_batch)  # as many as one process has
+        micro_batches_per_rank = -(-trained_advantages.shape[1] // args.micro_batch)
         minibatches = training_minibatches(trained_advantages, updates=args.updates_per_iteration,
-                                           micro_batches=micro_batches, generator=same_on_ranks)
+                                           micro_batches=micro_batches_per_rank, generator=same_on_ranks)
         for u, minibatch in enumerate(minibatches):
-            has_gradient = False
-            chunks = rank_chunks(minibatch, rank=rank, world=world, per_rank=P * G,
-                                 micro_batch=args.micro_batch, sharded=sharded)  # this rank's part of it
-            for j in train_steps:
-                for c, weight in chunks:
-                    adv = advantages[j][c]
-                    signal = weight > 0 and (args.beta > 0 or bool((adv != 0).any()))
-                    if not signal and not sharded:
-                        continue  # no gradient (sharded runs run it: every rank joins the collectives)
-                    has_gradient = has_gradient or signal
-                    emb_c = select(emb, group[c])
-                    with amp:
-                        v = velocity(transformer, kind, latents[j][c], sigmas[j], emb_c,
-                                     guidance=args.guidance)
-                    _, log_prob, mean, std = sde_step(v, latents[j][c], sigmas, j, noise_levels[j],
-                                                      prev_sample=latents[j + 1][c])
-                    ratio = torch.exp(log_prob - old_log_probs[j][c])
-                    clipped_ratio = ratio.clamp(1 - args.clip_range, 1 + args.clip_range)
-                    policy_loss = torch.max(-adv * ratio, -adv * clipped_ratio).mean()
-                    kl = torch.zeros_like(policy_loss)
-                    if args.beta > 0:  # the KL of the step means (Flow-GRPO's code)
-                        with torch.no_grad(), amp, as_reference(transformer, ref_model) as reference:
-                            v_ref = velocity(reference, kind, latents[j][c], sigmas[j], emb_c,
-                                             guidance=args.guidance)
-                        mean_ref, _, _ = sde_mean_std(v_ref, latents[j][c], sigmas, j, noise_levels[j])
-                        # official: / (2 std_dev_t^2) with std_dev_t^2 = std^2 / |dt|; exact: / (2 std^2)
-                        step = float(sigmas[j] - sigmas[j + 1])  # |dt|
-                        kl_var = std**2 if args.kl_form == "exact" else std**2 / step
-                        kl = ((mean - mean_ref) ** 2).mean(dim=(1, 2, 3)).mean() / (2 * kl_var)
-                    loss = policy_loss + args.beta * kl
-                    (loss * weight / len(train_steps)).backward()  # the mean over the mini-batch's terms
-                    if weight == 0:
-                        continue  # a sharded rank's extra forward: it joins the collectives, adds no term
-                    log_ratio = (log_prob - old_log_probs[j][c]).detach()
-                    sums["terms"] += len(c)
-                    sums["ratio_mean"] += ratio.detach().sum()
-                    sums["clipfrac"] += ((ratio.detach() - 1).abs() > args.clip_range).sum()
-                    sums["approx_kl"] += (0.5 * log_ratio**2).sum()
-                    sums["policy_loss"] += policy_loss.detach() * len(c)
-                    sums["kl"] += kl.detach() * len(c)
-                    if u == 0:
-                        first_ratio_dev = max(first_ratio_dev, (ratio.detach() - 1).abs().max().item())
-            norm = optimizer_step(params, optimizer, max_grad_norm=args.max_grad_norm, sharded=sharded,
-                                  has_gradient=has_gradient)
-            if norm is not None:
-                grad_norms.append(norm)
-            n_updates = iteration * args.updates_per_iteration + u + 1  # optimizer steps planned so far
-            if ema is not None and (n_updates + 1) % args.ema_every == 0:
-                ema_update(ema, list(params.values()), args.ema_decay, n_updates)
+            terms = micro_batches(minibatch, steps=train_steps, part=run.part,
+                                  signal=lambda j, c: args.beta > 0 or (advantages[j][c] != 0).any())
+            for j, c, scale in terms:
+                adv = advantages[j][c]
+                emb_c = select(emb, group[c])
+                with amp:
+                    v = velocity(transformer, kind, latents[j][c], sigmas[j], emb_c, guidance=args.guidance)
+                _, log_prob, mean, std = sde_step(v, latents[j][c], sigmas, j, noise_levels[j],
+                                                  prev_sample=latents[j + 1][c])
+                ratio = torch.exp(log_prob - old_log_probs[j][c])
+                clipped_ratio = ratio.clamp(1 - args.clip_range, 1 + args.clip_range)
+                policy_loss = torch.max(-adv * ratio, -adv * clipped_ratio).mean()
+                kl = torch.zeros_like(policy_loss)
+                if args.beta > 0:  # the KL of the step means (Flow-GRPO's code)
+                    with torch.no_grad(), amp, as_reference(transformer, run.ref_model) as reference:
+                        v_ref = velocity(reference, kind, latents[j][c], sigmas[j], emb_c,
+                                         guidance=args.guidance)
+                    _, _, mean_ref, _ = sde_step(v_ref, latents[j][c], sigmas, j, noise_levels[j],
+                                                 prev_sample=latents[j + 1][c])
+                    # official: / (2 std_dev_t^2) with std_dev_t^2 = std^2 / |dt|; exact: / (2 std^2)
+                    step = float(sigmas[j] - sigmas[j + 1])  # |dt|
+                    kl_var = std**2 if args.kl_form == "exact" else std**2 / step
+                    kl = ((mean - mean_ref) ** 2).mean(dim=(1, 2, 3)).mean() / (2 * kl_var)
+                loss = policy_loss + args.beta * kl
+                (loss * scale).backward()  # scale: this term's share of the mini-batch's mean
+                log_ratio = log_prob - old_log_probs[j][c]
+                stats.add(scale, terms=len(c), ratio_mean=ratio.sum(), policy_loss=policy_loss * len(c),
+                          clipfrac=((ratio - 1).abs() > args.clip_range).sum(), kl=kl * len(c),
+                          approx_kl=(0.5 * log_ratio**2).sum())
+                if u == 0:  # max |ratio - 1| in the first mini-batch: 0 if sampling and training agree
+                    stats.max(scale, first_ratio_max_dev=(ratio.detach() - 1).abs().max())
+            stats.step(run.optimizer_step(terms))
+            run.ema_step(iteration * args.updates_per_iteration + u + 1)
 
-        # TRY NOT TO MODIFY: logging, evaluation, checkpoints
-        nfe = NFE["count"] - nfe_start
-        totals = sum_over_ranks({**sums, "nfe": nfe, "nfe_rollout": nfe_rollout})
-        n = max(totals["terms"], 1)
-        metrics = {f"reward/{k}_mean": v.mean() for k, v in all_scores.items()}
-        metrics.update({f"reward/{k}_std": v.std() for k, v in all_scores.items()})
-        flat = torch.stack([v.max(1).values == v.min(1).values for v in all_scores.values()]).all(0)
-        metrics["reward/zero_std_fraction"] = flat.float().mean()
-        # means over the iteration's trained terms
-        metrics.update({f"train/{k}": totals[k] / n for k in sums if k != "terms"})
-        metrics["train/grad_norm"] = sum(grad_norms) / max(len(grad_norms), 1)
-        metrics["train/updates"] = len(grad_norms)
-        metrics["train/kept_fraction"] = sum(map(len, minibatches)) / (P * G * world)  # of the samples
-        metrics["train/first_ratio_max_dev"] = max_over_ranks(first_ratio_dev)
-        metrics["perf/nfe_rollout_per_prompt"] = totals["nfe_rollout"] / (P * world)
-        metrics["perf/nfe_min_per_prompt"] = nfe_min
-        metrics["perf/nfe_per_iteration"] = totals["nfe"]
-        metrics["perf/rollout_seconds"] = t_rollout
-        metrics["perf/seconds_per_iteration"] = time.time() - t_start
-        metrics["perf/cpu_seconds_per_iteration"] = time.process_time() - cpu_start  # this process
-        if is_main:
-            log_metrics(writer, run_dir, iteration + 1, metrics)
-        last = iteration + 1 == args.num_iterations
-        if args.eval_every and ((iteration + 1) % args.eval_every == 0 or last):
-            last_eval = evaluate(iteration + 1)
-        train_reward = sum(weights[k] * all_scores[k].mean() for k in args.rewards) / sum(weights.values())
-        shown = "-" if last_eval is None else f"{last_eval[1]:.3f}@{last_eval[0]}"
-        ratio_dev = metrics["train/first_ratio_max_dev"]
-        pbar.set_postfix_str(f"train {train_reward:.3f} eval {shown} |r-1| {ratio_dev:.0e}")
-        if is_main and args.log_images_every and (iteration + 1) % args.log_images_every == 0:
-            captions = [f"{prompts[0][:40]}\n" + " ".join(f"{k}={v[i]:.3f}" for k, v in scores.items())
-                        for i in range(G)]
-            writer.add_figure("samples", image_grid(images[:G].cpu(), captions), iteration + 1)
-        if (args.save_every and (iteration + 1) % args.save_every == 0) or last:
-            save_state(os.path.join(run_dir, "checkpoints", f"iter_{iteration + 1}"), iteration=iteration + 1,
-                       transformer=transformer, optimizer=optimizer, params=params, ema=ema, args=args,
-                       pipe=pipe, sharded=sharded, keep=args.keep_checkpoints)
-    if is_main:
-        writer.close()
-        print(run_summary(run_dir, args=args, kind=kind, weights=weights, seconds=time.time() - t0))
-    close_distributed()
+        # TRY NOT TO MODIFY: logging, evaluation, sample grids, checkpoints
+        kept = sum(map(len, minibatches)) / (P * G * world)  # the share of the samples trained on
+        run.end_iteration(iteration, stats, scores=all_scores, metrics={"train/kept_fraction": kept},
+                          samples=(images[:G], prompts[0], scores))
+    run.finish()

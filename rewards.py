@@ -614,8 +614,8 @@ def server_post(url: str, payload: dict, *, timeout: float = 120, retries: int =
                 break
         except OSError as e:
             error = f"{type(e).__name__}: {str(getattr(e, 'reason', e))[:120]}"
-    fail(f"the reward server {url} failed after {attempt + 1} tries ({error}); start it (README: reward "
-         f"server) or pass its URL")
+    fail(f"the reward server {url} failed after {attempt + 1} tries ({error}); start it (docs/rewards.md: "
+         f"reward server) or pass its URL")
 
 
 def numbers(answer, key: str, n: int, url: str) -> list:

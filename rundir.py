@@ -1,6 +1,9 @@
-"""The run directory (runs/<run_name>) the algorithm files write, and what reads it back: plain functions, in
-the order of a run.
+"""What every algorithm file does around its algorithm: the setup before the first iteration, the bookkeeping
+after each, and the run directory (runs/<run_name>) it writes and reads back. Plain functions, and one object
+for the state a run carries, in the order of a run.
 
+0. The run: start_run (the setup, one call), Run (iterations, the optimizer and EMA steps, evaluation, the end
+   of an iteration, the end of the run), Stats (an iteration's training statistics)
 1. The run directory and its logs: run_directory, make_writer (TensorBoard, wandb), read_jsonl, log_metrics
 2. Checkpoints: iteration_of, latest_checkpoint, resume_checkpoint, save_state (atomic; diffusers exports),
    load_state
@@ -10,17 +13,313 @@ the order of a run.
 Only the algorithm files, evaluate.py and the scripts import it; it imports common.py (never the other way).
 """
 import contextlib
+import dataclasses
 import json
 import math
 import os
 import shutil
 import sys
 import textwrap
+import time
 
 import torch
 import torch.distributed as dist
 
-from common import MODEL_ALIASES, broadcast_object, fail, is_main_rank, loggable, swapped_in
+from common import (MODEL_ALIASES, NFE, broadcast_object, close_distributed, decode, ema_update,
+                    encode_prompts, fail, gather_cat, gathered, is_main_rank, latent_shape, load_pipeline,
+                    load_prompt_set, load_rewards, loggable, make_trainable, max_over_ranks, ode_complete,
+                    optimizer_step, pipeline_sigmas, score, seed_everything, setup_distributed,
+                    sum_over_ranks, swapped_in)
+
+
+# ======== 0. The run ========
+def say(message: str):
+    """A line on rank 0's terminal that does not break a progress bar."""
+    if is_main_rank():
+        from tqdm import tqdm
+        tqdm.write(message)
+
+
+def progress_bar(*, inner: bool = False, **kwargs):
+    """A tqdm bar on rank 0 (none elsewhere); an `inner` bar (below the training bar) only on a terminal."""
+    from tqdm import tqdm
+    hidden = not is_main_rank() or (inner and not sys.stderr.isatty())
+    return tqdm(disable=hidden, dynamic_ncols=True, leave=not inner, **kwargs)
+
+
+def start_run(args, *, script: str, check_args, planned_nfe, reference: bool, copies: tuple = ()) -> "Run":
+    """Everything before the first iteration, the same in every algorithm file: the process group, the checks
+    of the arguments (`check_args(args, world)`), the checkpoint to resume, the prompts, the run directory and
+    its logs, the seeds, the rewards, the pipeline and its trainable weights (LoRA, or all of them: FSDP2
+    across ranks), a frozen `reference`, AdamW, the evaluation EMA and named `copies` of the trainable weights
+    (an old policy, a KL-EMA), each restored from the checkpoint when resuming. `planned_nfe(args)["rollout"]`
+    is logged as perf/nfe_min_per_prompt."""
+    rank, world, device = setup_distributed()
+    check_args(args, world)
+    ckpt, start = None, 0
+    if args.resume:
+        ckpt, start = resume_checkpoint(args.resume, args=args, world=world, script=os.path.basename(script))
+    # the prompts before the run directory: a missing prompt file leaves nothing behind
+    train_prompts = load_prompt_set(args.prompts, split="train", rewards=args.rewards)
+    eval_prompts = load_prompt_set(args.eval_prompts, split="test", rewards=args.rewards + args.eval_rewards)
+    run_dir = run_directory(args, checkpoint=ckpt)
+    writer = make_writer(run_dir, args, resume_iteration=start if ckpt else None) if rank == 0 else None
+    seed_everything(args.seed, deterministic=args.torch_deterministic)
+    warn_if_the_cpu_is_shared(device)
+    use_bf16 = args.mixed_precision == "bf16" and device.type == "cuda"
+    compute_dtype = torch.bfloat16 if use_bf16 else torch.float32
+    # the rewards first: a reward file that cannot be read fails before the large model loads
+    say(f"loading the rewards ({', '.join(dict.fromkeys(args.rewards + args.eval_rewards))}) and the model "
+        f"{args.model}")
+    eval_fns = load_rewards(args.rewards + args.eval_rewards, device, models=args.reward_models,
+                            dtype=compute_dtype)
+    pipe, kind = load_pipeline(args.model, device, dtype=compute_dtype)
+    shape = latent_shape(pipe, kind, args.resolution)
+    sharded = args.full_finetune and world > 1  # FSDP2; LoRA runs average their gradients (DDP style)
+    lora = None if args.full_finetune else (args.lora_rank, args.lora_alpha)
+    params, ref_model = make_trainable(pipe.transformer, kind, lora=lora, reference=reference,
+                                       sharded=sharded, compute_dtype=compute_dtype,
+                                       checkpointing=args.gradient_checkpointing)
+    optimizer = torch.optim.AdamW(params.values(), lr=args.learning_rate, betas=(0.9, 0.999),
+                                  weight_decay=args.weight_decay, eps=1e-8)
+    ema = [p.detach().float().clone() for p in params.values()] if args.ema else None
+    copies = {name: [p.detach().clone() for p in params.values()] for name in copies}
+    # bf16 autocast only for unsharded full fine-tuning: LoRA and FSDP2 already compute in bf16
+    use_autocast = use_bf16 and args.full_finetune and not sharded
+    amp = torch.autocast(device.type, dtype=compute_dtype, enabled=use_autocast, cache_enabled=False)
+    weights = dict(zip(args.rewards, args.reward_weights or [1.0] * len(args.rewards)))
+    run = Run(args=args, rank=rank, world=world, device=device, sharded=sharded, run_dir=run_dir,
+              writer=writer, pipe=pipe, kind=kind, transformer=pipe.transformer, params=params,
+              optimizer=optimizer, ema=ema, ref_model=ref_model, copies=copies, amp=amp, shape=shape,
+              weights=weights, reward_fns={k: eval_fns[k] for k in args.rewards}, eval_fns=eval_fns,
+              train_prompts=train_prompts, eval_prompts=eval_prompts, start=start,
+              planned_rollout=planned_nfe(args)["rollout"])
+    if ckpt:
+        say(f"resuming {ckpt}")
+        load_state(ckpt, run=run)
+    return run
+
+
+def warn_if_the_cpu_is_shared(device):
+    """On a CPU, a line when other work keeps the cores busy: torch's threads then wait on each other."""
+    threads, cores = torch.get_num_threads(), os.cpu_count() or 1
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    if device.type == "cpu" and threads > 1 and load > cores - 0.5:
+        say(f"note: the CPU is busy (load {load:.1f} on {cores} cores); {threads} torch threads per process "
+            f"then wait on each other (measured: up to 10x the CPU time). On a shared machine run with "
+            f"OMP_NUM_THREADS=1")
+
+
+@dataclasses.dataclass
+class Run:
+    """The state of a run that every algorithm file's loop uses (made by start_run)."""
+    args: object
+    rank: int
+    world: int
+    device: torch.device
+    sharded: bool  # full fine-tuning on several ranks: FSDP2
+    run_dir: str
+    writer: object  # rank 0's TensorBoard writer, else None
+    pipe: object
+    kind: str  # the model family: "flux" or "sd3"
+    transformer: torch.nn.Module
+    params: dict  # {name: trainable float32 parameter}
+    optimizer: torch.optim.Optimizer
+    ema: list | None  # the evaluation EMA of the trainable weights
+    ref_model: object  # full fine-tuning's frozen reference (LoRA: the model with its adapters off), or None
+    copies: dict  # {name: a list shaped like the trainable weights}, saved with every checkpoint
+    amp: object  # the autocast context of every forward
+    shape: tuple  # (C, H, W) of the latents
+    weights: dict  # {reward: weight}
+    reward_fns: dict  # the training rewards
+    eval_fns: dict  # every reward scored at evaluation
+    train_prompts: list
+    eval_prompts: list
+    start: int  # the first iteration to run (a resumed run: the checkpoint's)
+    planned_rollout: float  # the closed-form rollout NFE per prompt (perf/nfe_min_per_prompt)
+    last_eval: tuple | None = None  # (iteration, the training reward on the held-out pairs)
+    pbar: object = None  # the training progress bar (iterations)
+    t0: float = dataclasses.field(default_factory=time.time)
+
+    @property
+    def part(self) -> dict:
+        """What common.micro_batches needs to know of this rank's share of the samples."""
+        return {"rank": self.rank, "world": self.world, "micro_batch": self.args.micro_batch,
+                "per_rank": self.args.prompts_per_iteration // self.world * self.args.group_size,
+                "sharded": self.sharded}
+
+    def iterations(self, *, evaluate_base: bool = True):
+        """The iterations still to run, with a progress bar; before the first of a new run, the base model's
+        evaluation (iteration 0). The bar's rate and ETA count training only, not evaluations or saving."""
+        args = self.args
+        if self.start == 0 and args.eval_every and args.eval_base and evaluate_base:
+            self.last_eval = self.evaluate(0, what="the base model")
+        say(f"training: iterations {self.start + 1} to {args.num_iterations} "
+            f"({args.prompts_per_iteration} prompts x {args.group_size} images each)")
+        bar = "{n_fmt}/{total_fmt} iterations |{bar}| {elapsed}<{remaining}, {rate_fmt}{postfix}"
+        self.pbar = progress_bar(iterable=range(self.start, args.num_iterations), initial=self.start,
+                                 total=args.num_iterations, bar_format=bar, unit="it")
+        for iteration in self.pbar:
+            self.t_start, self.cpu_start, self.nfe_start = time.time(), time.process_time(), NFE["count"]
+            yield iteration
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Time that the progress bar's rate and ETA do not count (an evaluation, a checkpoint)."""
+        t = time.time()
+        try:
+            yield
+        finally:
+            if self.pbar is not None and not self.pbar.disable:
+                self.pbar.start_t += time.time() - t
+
+    @torch.no_grad()
+    def evaluate(self, iteration: int, *, what: str = "") -> tuple:
+        """ODE samples of the fixed held-out pairs with the EMA weights (if any), scored by every reward:
+        eval/* metrics, eval_<iteration>.json and a grid. Pair k: prompt k mod len(prompts), noise seed
+        10^6 + k; each rank an equal share (the last pair repeated: all ranks run the same forwards). Returns
+        (iteration, the training reward)."""
+        args, (C, H, W) = self.args, self.shape
+        n = -(-args.eval_num // self.world)
+        pairs = [min(k, args.eval_num - 1) for k in range(self.rank * n, (self.rank + 1) * n)]
+        prompts = [self.eval_prompts[k % len(self.eval_prompts)] for k in pairs]
+        noise = torch.stack([torch.randn(C, H, W, generator=torch.Generator().manual_seed(10**6 + k))
+                             for k in pairs])
+        sigmas = pipeline_sigmas(self.pipe, self.kind, num_steps=args.eval_steps, image_tokens=H * W // 4)
+        with self.paused(), swapped_in(list(self.params.values()), self.ema):
+            say(f"evaluating {what or f'iteration {iteration}'} on {args.eval_num} held-out prompt/seed "
+                f"pairs ({args.eval_steps} ODE steps)")
+            emb = encode_prompts(self.pipe, self.kind, prompts, max_sequence_length=args.max_sequence_length,
+                                 cfg=args.guidance)
+            bar = progress_bar(total=len(sigmas) - 1, unit="step", desc="ODE", inner=True)
+            with self.amp, gathered(self.transformer, sharded=self.sharded), bar:
+                paths = [list(range(len(sigmas)))] * n  # every pair the whole schedule
+                x0 = ode_complete(self.transformer, self.kind, noise.to(self.device), paths, sigmas, emb,
+                                  guidance=args.guidance, micro_batch=args.micro_batch, progress=bar.update)
+            images = torch.cat([decode(self.pipe, z) for z in x0.split(args.micro_batch)])
+            local = score(self.eval_fns, images, prompts, evaluation=True)
+            scores = {k: gather_cat(v.to(self.device)).cpu()[:args.eval_num] for k, v in local.items()}
+            for fn in self.eval_fns.values():
+                if hasattr(fn, "breakdown"):  # GenEval's accuracies per tag
+                    every = [self.eval_prompts[k % len(self.eval_prompts)] for k in range(args.eval_num)]
+                    scores.update(fn.breakdown(scores, every))
+            if self.rank == 0:
+                means = {f"eval/{k}": v.mean() for k, v in scores.items()}
+                log_metrics(self.writer, self.run_dir, iteration, means, per_sample=scores)
+                save_eval_grid(self.run_dir, iteration, images, prompts, local)
+        return iteration, self.reward(scores).item()
+
+    def reward(self, scores: dict):
+        """The training objective: the weighted mean of the training rewards."""
+        return sum(self.weights[k] * scores[k].mean() for k in self.args.rewards) / sum(self.weights.values())
+
+    def optimizer_step(self, terms: list):
+        """One optimizer step on the gradients of a mini-batch's `terms` ((j, c, scale, ...) each, from
+        common.micro_batches): DDP-style averaging, clipping, AdamW; none if no rank had a term with a
+        gradient. Returns the norm, or None."""
+        has_gradient = any(term[2] > 0 for term in terms)
+        return optimizer_step(self.params, self.optimizer, max_grad_norm=self.args.max_grad_norm,
+                              sharded=self.sharded, has_gradient=has_gradient)
+
+    def ema_step(self, step: int):
+        """The evaluation EMA after `step` optimizer steps in all, every --ema-every steps (Flow-GRPO)."""
+        if self.ema is not None and (step + 1) % self.args.ema_every == 0:
+            ema_update(self.ema, list(self.params.values()), self.args.ema_decay, step)
+
+    def nfe(self) -> float:
+        """This iteration's transformer evaluations so far, over all ranks."""
+        return sum_over_ranks({"nfe": NFE["count"] - self.nfe_start})["nfe"]
+
+    def log(self, iteration: int, metrics: dict):
+        if self.rank == 0:
+            log_metrics(self.writer, self.run_dir, iteration, metrics)
+
+    def end_iteration(self, iteration: int, stats: "Stats", *, scores: dict, metrics: dict | None = None,
+                      samples: tuple | None = None):
+        """After iteration `iteration` (0-based): its metrics (the rewards of every rank's samples `scores`
+        {name: [groups, G]}, the training statistics, NFE and time, the file's own `metrics`), the progress
+        bar, an evaluation, a grid of `samples` (images, their prompt, {reward: their scores}) and a
+        checkpoint when due."""
+        args, done = self.args, iteration + 1
+        P = args.prompts_per_iteration // self.world
+        totals = sum_over_ranks({**stats.sums, "nfe": NFE["count"] - self.nfe_start,
+                                 "nfe_rollout": stats.nfe_start - self.nfe_start})
+        n = max(totals["terms"], 1)
+        m = {f"reward/{k}_mean": v.mean() for k, v in scores.items()}
+        m.update({f"reward/{k}_std": v.std() for k, v in scores.items()})
+        flat = torch.stack([v.max(1).values == v.min(1).values for v in scores.values()]).all(0)
+        m["reward/zero_std_fraction"] = flat.float().mean()
+        m.update({f"train/{k}": totals[k] / n for k in stats.sums if k != "terms"})  # means over the terms
+        m["train/grad_norm"] = sum(stats.norms) / max(len(stats.norms), 1)
+        m["train/updates"] = len(stats.norms)
+        m.update(metrics or {})
+        m.update({f"train/{k}": max_over_ranks(v) for k, v in stats.maxima.items()})
+        m["perf/nfe_rollout_per_prompt"] = totals["nfe_rollout"] / (P * self.world)
+        m.setdefault("perf/nfe_min_per_prompt", self.planned_rollout)
+        m["perf/nfe_per_iteration"] = totals["nfe"]
+        m["perf/rollout_seconds"] = stats.t_start - self.t_start  # the rollout and the rewards
+        m["perf/seconds_per_iteration"] = time.time() - self.t_start
+        m["perf/cpu_seconds_per_iteration"] = time.process_time() - self.cpu_start  # this process
+        self.log(done, m)
+        last = done == args.num_iterations
+        if args.eval_every and (done % args.eval_every == 0 or last):
+            self.last_eval = self.evaluate(done)
+        held_out = "" if self.last_eval is None else \
+            f" (held-out {self.last_eval[1]:.3f} at iteration {self.last_eval[0]})"
+        self.pbar.set_postfix_str(f"reward {self.reward(scores):.3f}{held_out}", refresh=False)
+        if self.rank == 0 and args.log_images_every and done % args.log_images_every == 0 and samples:
+            images, prompt, sample_scores = samples
+            captions = [f"{prompt[:40]}\n" + " ".join(f"{k}={v[i]:.3f}" for k, v in sample_scores.items())
+                        for i in range(len(images))]
+            self.writer.add_figure("samples", image_grid(images.cpu(), captions), done)
+        if (args.save_every and done % args.save_every == 0) or last:
+            self.save(done)
+
+    def save(self, iteration: int):
+        """A checkpoint after `iteration` iterations (save_state); the oldest beyond --keep-checkpoints go."""
+        path = os.path.join(self.run_dir, "checkpoints", f"iter_{iteration}")
+        with self.paused():
+            say(f"saving {path}")
+            save_state(path, iteration=iteration, run=self, keep=self.args.keep_checkpoints)
+
+    def finish(self, summary: bool = True):
+        """The end of the run: the logs closed, what it did printed (run_summary), the process group ended."""
+        if self.rank == 0:
+            if self.pbar is not None:
+                self.pbar.close()
+            self.writer.close()
+            if summary:
+                print(run_summary(self.run_dir, args=self.args, kind=self.kind, weights=self.weights,
+                                  seconds=time.time() - self.t0))
+        close_distributed()
+
+
+class Stats:
+    """One iteration's training statistics, made when its policy update starts (which ends the rollout's NFE
+    and time): sums of `names` over the trained terms (add; "terms" counts them; logged as means over every
+    rank's terms), `maxima` over the ranks (max), the optimizer steps' gradient norms (step)."""
+
+    def __init__(self, *names, maxima: tuple = ()):
+        self.sums = dict.fromkeys(("terms", *names), 0.0)
+        self.maxima, self.norms = dict.fromkeys(maxima, 0.0), []
+        self.nfe_start, self.t_start = NFE["count"], time.time()
+
+    def add(self, scale: float, **sums):
+        """Sums of a term's statistics; none at scale 0 (a forward that only joins FSDP2's collectives)."""
+        if scale:
+            for k, v in sums.items():
+                self.sums[k] += v.detach() if torch.is_tensor(v) else v
+
+    def max(self, scale: float, **values):
+        """Running maxima of a term's statistics (none at scale 0)."""
+        if scale:
+            for k, v in values.items():
+                self.maxima[k] = max(self.maxima[k], float(v))
+
+    def step(self, norm):
+        """An optimizer step's gradient norm (None: no step was taken)."""
+        if norm is not None:
+            self.norms.append(norm)
 
 
 # ======== 1. The run directory and its logs ========
@@ -138,14 +437,16 @@ def resume_checkpoint(path: str, *, args, world: int, script: str) -> tuple[str,
     return ckpt, saved["iteration"]
 
 
-def save_state(path: str, *, iteration: int, transformer, optimizer, params: dict, ema, args, pipe,
-               sharded: bool, keep: int = 0, extra: dict | None = None):
-    """Atomic checkpoint at `path` (path.tmp, renamed): run.json (iteration, script, world size, arguments),
-    state.pt (unsharded: trainable weights, optimizer, EMA, `extra` {name: a list shaped like params}, e.g. an
-    old policy) or dcp/ (sharded: each rank's shards by torch.distributed.checkpoint, `extra` too), exports
-    (the EMA if any): lora/ (diffusers `pipe.load_lora_weights`, with alpha) or transformer/
-    (`<Transformer>.from_pretrained`; sharded: a file per rank and an index)."""
+def save_state(path: str, *, iteration: int, run: Run, keep: int = 0):
+    """Atomic checkpoint of a Run at `path` (path.tmp, renamed): run.json (iteration, script, world size,
+    arguments), state.pt (unsharded: trainable weights, optimizer, EMA, the copies {name: a list shaped like
+    params}, e.g. an old policy) or dcp/ (sharded: each rank's shards by torch.distributed.checkpoint, the
+    copies too), exports (the EMA if any): lora/ (diffusers `pipe.load_lora_weights`, with alpha) or
+    transformer/ (`<Transformer>.from_pretrained`; sharded: a file per rank and an index). The newest `keep`
+    checkpoints stay (0: all)."""
     from safetensors.torch import save_file
+    transformer, optimizer, params, ema, args = run.transformer, run.optimizer, run.params, run.ema, run.args
+    pipe, sharded, extra = run.pipe, run.sharded, run.copies
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     barrier = dist.barrier if dist.is_initialized() else lambda: None
     tmp = path + ".tmp"
@@ -210,12 +511,11 @@ def save_state(path: str, *, iteration: int, transformer, optimizer, params: dic
     barrier()
 
 
-def load_state(path: str, *, transformer, optimizer, params: dict, sharded: bool, device, ema: bool,
-               learning_rate: float, weight_decay: float, extra: dict | None = None):
-    """Restores what save_state wrote (sharded: same world size), with this run's learning rate and weight
-    decay in the optimizer, and the lists of `extra` in place. Returns the EMA (a list), or None."""
-    extra = extra or {}
-    if sharded:
+def load_state(path: str, *, run: Run):
+    """Restores into a Run what save_state wrote (sharded: same world size), with this run's learning rate and
+    weight decay in the optimizer, its copies in place, its EMA (if it keeps one)."""
+    transformer, optimizer, params, extra = run.transformer, run.optimizer, run.params, run.copies
+    if run.sharded:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
         shards = dict(zip(("model", "optim"), get_state_dict(transformer, optimizer)))
@@ -239,8 +539,9 @@ def load_state(path: str, *, transformer, optimizer, params: dict, sharded: bool
                 for n, t in zip(params, values):
                     t.copy_(state["extra"][k][n])
     for group in optimizer.param_groups:
-        group["lr"], group["weight_decay"] = learning_rate, weight_decay
-    return [saved_ema[n].to(device) for n in params] if ema else None
+        group["lr"], group["weight_decay"] = run.args.learning_rate, run.args.weight_decay
+    if run.args.ema:
+        run.ema = [saved_ema[n].to(run.device) for n in params]
 
 
 # ======== 3. Sample grids and the end-of-run summary ========
@@ -281,6 +582,24 @@ def paired_change(before: list, after: list) -> tuple[float, float]:
     return float((b - a).mean()), float((b - a).std() / math.sqrt(len(a)))
 
 
+def decimals(se: float) -> int:
+    """Decimals that show a standard error to two significant digits (4 when it is 0 or undefined)."""
+    if not math.isfinite(se) or se <= 0:
+        return 4
+    return min(max(1 - int(f"{se:.1e}".split("e")[1]), 0), 10)  # the exponent of se rounded to 2 digits
+
+
+def change_line(before: list, after: list) -> str:
+    """'mean -> mean (change +- paired SE, z SE): verdict', with decimals enough that a change beyond 2 SE
+    never shows as 0, and 'no change' for none at all."""
+    d, se = paired_change(before, after)
+    k = max(4, decimals(se if se > 0 else abs(d)))
+    means = f"{sum(before) / len(before):.{k}f} -> {sum(after) / len(after):.{k}f}"
+    verdict = "no change" if d == 0 else "improved" if d > 2 * se else "got worse" if d < -2 * se else \
+        "no change beyond 2 SE"
+    return f"{means} ({d:+.{k}f} +- {se:.{k}f}, {d / se if se > 0 else 0:+.1f} SE): {verdict}"
+
+
 def run_summary(run_dir: str, *, args, kind: str, weights: dict, seconds: float) -> str:
     """What a run did (metrics.jsonl, eval_<i>.json): each reward at the first and last evaluation with the
     change's paired standard error, time, NFE, sample grids, the checkpoint and how diffusers loads it."""
@@ -289,9 +608,6 @@ def run_summary(run_dir: str, *, args, kind: str, weights: dict, seconds: float)
     took = f"{seconds:.0f} s" if seconds < 60 else f"{seconds / 60:.1f} min"
     out = [f"\n{args.exp_name} on {args.model}: {len(rows)} iteration{'s' * (len(rows) != 1)} in {took}, "
            f"{nfe:,.0f} transformer evaluations (NFE)"]
-    if getattr(args, "calibrate", False):  # DenseGRPO's Algorithm 1: psi, no update
-        psi = os.path.abspath(psi_path(args, run_dir))
-        out.append(f"psi(t) after the last calibration iteration: {psi} (train with --psi {psi})")
     names = os.listdir(run_dir)
     evals = sorted(iteration_of(f) for f in names if f.startswith("eval_") and f.endswith(".json"))
     if len(evals) > 1:
@@ -303,11 +619,7 @@ def run_summary(run_dir: str, *, args, kind: str, weights: dict, seconds: float)
         out.append(f"Evaluation on {pairs} fixed prompt/seed pairs (ODE, {args.eval_steps} steps), iteration "
                    f"{evals[0]} -> {evals[-1]}, change +- paired standard error:")
         for name in ["training reward", *[k for k in e1 if k != "training reward"]]:
-            d, se = paired_change(e0[name], e1[name])
-            verdict = "improved" if d > 2 * se else "got worse" if d < -2 * se else "no change beyond 2 SE"
-            means = f"{sum(e0[name]) / len(e0[name]):.4f} -> {sum(e1[name]) / len(e1[name]):.4f}"
-            out.append(f"  {name:>20}: {means} ({d:+.4f} +- {se:.4f}, {d / se if se > 0 else 0:+.1f} SE): "
-                       f"{verdict}")
+            out.append(f"  {name:>20}: {change_line(e0[name], e1[name])}")
     samples = os.path.abspath(os.path.join(run_dir, "samples"))
     grids = sorted(os.listdir(samples), key=iteration_of) if os.path.isdir(samples) else []
     if grids:

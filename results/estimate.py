@@ -17,15 +17,15 @@ One iteration's phases then run on one rank with the shapes the file uses:
 - decode: one VAE call of 4 latents (`common.decode`); rewards: each training reward on the images the file
   scores at once, preprocessing included, towers in bf16 and heads in float32 as rewards.py runs them
   (Flow-GRPO + CoCA: then the credit of `common.coca_credit` on the x0 predictions);
-- training step: one micro-batch with the files' own lines (`velocity` with grad, `sde_step` with
-  prev_sample, for beta > 0 the reference velocity under `common.as_reference` and `sde_mean_std`'s mean, the
+- training step: one micro-batch with the files' own lines (`velocity` with grad, the file's `sde_step`
+  with prev_sample, for beta > 0 the reference velocity under `common.as_reference` and its step mean, the
   PPO-clipped loss, backward); optimizer step: gradient clipping and AdamW;
-- evaluation encode / evaluation: `common.evaluate_policy`'s phases for this rank's held-out pairs.
+- evaluation encode / evaluation: `rundir.Run.evaluate`'s phases for this rank's held-out pairs.
 `torch.distributed._tools.MemTracker` gives each phase's peak; `FlopCounterMode` the FLOPs of one forward, one
 training forward + backward, one decode and one reward call, multiplied by the file's own closed-form NFE
 (`planned_nfe`; MixGRPO's at iteration 0). Also: the reward models alone (resident and one 12-image forward,
 bf16 towers against float32 as the papers' evaluation code runs them) and evaluate.py's evaluation of
-FLUX.1-dev (modelled with `common.evaluate_policy`'s phases). Not modelled: communication time, the
+FLUX.1-dev (modelled with `rundir.Run.evaluate`'s phases). Not modelled: communication time, the
 allocator's fragmentation (keep ~10% headroom), CUDA context and kernels (~0.5-1 GiB), autocast (these runs
 use none: LoRA and FSDP2 compute in bf16 directly, as the files do on GPUs).
 """
@@ -77,7 +77,7 @@ COMMANDS = [
      "--lora-alpha 128 --prompts-per-iteration 1 --eval-num 64 --micro-batch 4", 1),
     ("1 GPU: AWM, SD3.5-M (LoRA)", "awm", "--prompts-per-iteration 1 --eval-num 64", 1),
 ]
-# evaluate.py's evaluation of FLUX.1-dev, modelled with common.evaluate_policy's phases
+# evaluate.py's evaluation of FLUX.1-dev, modelled with rundir.Run.evaluate's phases
 EVALUATE = dict(name="evaluate.py, FLUX.1-dev, 720 px, 50 steps, 400 prompts, 8 GPUs", kind="flux",
                 resolution=720, steps=50, prompts=400, world=8, chunk=16, micro_batch=4, decode_batch=4,
                 max_sequence_length=512, guidance=3.5, rewards=("hps", "clip", "pickscore", "imagereward"))
@@ -516,7 +516,6 @@ def estimate(name, script, argv, world, *, tiny=False, undo=(), phases=None):
         txt_dim, pooled_dim = 4096, 768 if kind == "flux" else 2048
     tokens = args.max_sequence_length + (0 if kind == "flux" else (16 if tiny else 77))
     cfg = kind == "sd3" and args.guidance > 1
-    form = "dance" if script == "dancegrpo" else "flow_grpo"
     steps = rollout_steps(mod, script, args)
     out = {"name": name, "world": world, "args": args, "nfe": nfe, "P": P, "mb": mb, "script": script,
            "tokens": tokens, "txt_dim": txt_dim, "cfg": cfg, "sharded": sharded, "kind": kind,
@@ -536,8 +535,7 @@ def estimate(name, script, argv, world, *, tiny=False, undo=(), phases=None):
             transformer = make_t().requires_grad_(False)
             torch.set_default_dtype(torch.float32)
             params, ref = common.make_trainable(
-                transformer, kind, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha, full_finetune=True,
-                reference=beta > 0, sharded=True, compute_dtype=None if fp32_gathers else bf16,
+                transformer, kind, lora=None, reference=beta > 0, sharded=True, compute_dtype=None if fp32_gathers else bf16,
                 checkpointing=checkpointing)
         params = list(params.values())
     else:  # LoRA (or one GPU): bf16 frozen weights, float32 trainable ones, from common.make_trainable itself
@@ -545,9 +543,8 @@ def estimate(name, script, argv, world, *, tiny=False, undo=(), phases=None):
 
         def prepare(t):
             box["ref"] = common.make_trainable(
-                t.requires_grad_(False), kind, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
-                full_finetune=args.full_finetune, reference=beta > 0, sharded=False, compute_dtype=bf16,
-                checkpointing=checkpointing)[1]
+                t.requires_grad_(False), kind, lora=None if args.full_finetune else (args.lora_rank, args.lora_alpha),
+                reference=beta > 0, sharded=False, compute_dtype=bf16, checkpointing=checkpointing)[1]
             return t
         transformer = build(make_t, bf16, prepare)
         params, ref = [p for p in transformer.parameters() if p.requires_grad], box["ref"]
@@ -703,8 +700,7 @@ def estimate(name, script, argv, world, *, tiny=False, undo=(), phases=None):
                 with torch.no_grad(), common.swapped_in(params, kl_ema):
                     v_ema = common.velocity(transformer, kind, x_t, t, e, guidance=args.guidance)
                 v = common.velocity(transformer, kind, x_t, t, e, guidance=args.guidance)
-                mse = ((v.double() - (eps - xt).double()) ** 2).mean(dim=(1, 2, 3))
-                log_prob = common.flow_matching_log_prob(mse, t, args.weighting, args.ghuber_power)
+                log_prob = mod.awm_log_prob(v, eps - xt, t, weighting=args.weighting, power=args.ghuber_power)
                 ratio = torch.exp(log_prob - log_prob.detach())
                 policy_loss = torch.max(-adv * ratio, -adv * ratio.clamp(1 - args.clip_range, 1 + args.clip_range))
                 with torch.no_grad(), common.as_reference(transformer, ref) as reference:
@@ -717,8 +713,7 @@ def estimate(name, script, argv, world, *, tiny=False, undo=(), phases=None):
             if script == "g2rpo":  # each member reuses its prompt's v(x_k)
                 members = torch.zeros(train_rows * G, dtype=torch.long)
                 v, xt, old_log_probs = v[members], xt[members], torch.zeros(len(members))
-            _, log_prob, mean, std = common.sde_step(v, xt, sigmas, j, args.noise_level,
-                                                     prev_sample=lat(len(xt)), form=form)
+            _, log_prob, mean, std = mod.sde_step(v, xt, sigmas, j, args.noise_level, prev_sample=lat(len(xt)))
             ratio = torch.exp(log_prob - old_log_probs)
             clipped_ratio = ratio.clamp(1 - args.clip_range, 1 + args.clip_range)
             policy_loss = torch.max(-adv * ratio, -adv * clipped_ratio).mean()
@@ -728,7 +723,7 @@ def estimate(name, script, argv, world, *, tiny=False, undo=(), phases=None):
                     v_ref = common.velocity(reference, kind, lat(train_rows), sigmas[j], e, guidance=args.guidance)
                 if script == "g2rpo":
                     v_ref = v_ref[members]
-                mean_ref, _, _ = common.sde_mean_std(v_ref, xt, sigmas, j, args.noise_level, form=form)
+                _, _, mean_ref, _ = mod.sde_step(v_ref, xt, sigmas, j, args.noise_level, prev_sample=lat(len(xt)))
                 step = float(sigmas[j] - sigmas[j + 1])  # |dt|
                 kl_var = std**2 if args.kl_form == "exact" else std**2 / step
                 kl = ((mean - mean_ref) ** 2).mean(dim=(1, 2, 3)).mean() / (2 * kl_var)
@@ -748,7 +743,7 @@ def estimate(name, script, argv, world, *, tiny=False, undo=(), phases=None):
             optimizer.zero_grad(set_to_none=True)
         phase("optimizer step", step, *kept)
 
-        # -------- evaluation: common.evaluate_policy on this rank's pairs: encoded 16 at a time, the ODE in
+        # -------- evaluation: rundir.Run.evaluate on this rank's pairs: encoded 16 at a time, the ODE in
         # micro-batches with gathered weights, decoded per micro-batch (4 at a time), every image scored at
         # once
         n_eval = -(-args.eval_num // world)  # equal shares, the last ranks repeating the last pair
@@ -845,7 +840,7 @@ def reward_models(*, tiny=False, names=REWARD_TABLE, batch=REWARD_BATCH):
 
 
 def estimate_evaluate(spec=EVALUATE, *, tiny=False):
-    """evaluate.py's evaluation on one of spec["world"] GPUs, as common.evaluate_policy runs it: this rank's
+    """evaluate.py's evaluation on one of spec["world"] GPUs, as rundir.Run.evaluate runs it: this rank's
     prompts encoded `chunk` at a time, the ODE in micro-batches with the bf16 transformer (no adapters),
     decoded 4 at a time per micro-batch, each micro-batch's images scored by each reward in float32 (as
     evaluate.py, micro-batch 4 by default)."""
@@ -972,7 +967,7 @@ def report(estimates, path, seconds_taken, rewards_table=None, evaluation=None):
         ev, spec = evaluation[0], EVALUATE
         lines += [
             "", "## Evaluation alone (evaluate.py), per GPU", "",
-            f"common.evaluate_policy's phases for one rank's {ev['n']} prompts: encoded {spec['chunk']} at a "
+            f"rundir.Run.evaluate's phases for one rank's {ev['n']} prompts: encoded {spec['chunk']} at a "
             f"time (the text encoders on the GPU), the ODE ({spec['steps']} steps, {ev['nfe']:,} NFE) in "
             f"micro-batches of {spec['micro_batch']} with the bf16 transformer, decoded {spec['decode_batch']} at "
             "a time, "

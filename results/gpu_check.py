@@ -319,7 +319,7 @@ def run_configuration(command, *, pipe, kind, tiny, device, tmp, prompts):
     def load_pipeline(model, dev, *, dtype=torch.float32):
         return pipe, kind
 
-    def save_state(path, **kwargs):
+    def save_state(path, **kwargs):  # rundir.Run.save calls it
         saved.append(path)
 
     step, with_gradient = common.optimizer_step, []
@@ -334,13 +334,15 @@ def run_configuration(command, *, pipe, kind, tiny, device, tmp, prompts):
     result = {"name": name, "key": key(name, script, argv), "script": script, "argv": argv, "ok": False}
     t0 = time.time()
     with contextlib.ExitStack() as stack:
-        stack.enter_context(estimate.patched(common, "load_pipeline", load_pipeline))
-        stack.enter_context(estimate.patched(common, "load_rewards", load_rewards))
         stack.enter_context(estimate.patched(rundir, "save_state", save_state))
+        patches = {"load_pipeline": load_pipeline, "load_rewards": load_rewards, "optimizer_step": optimizer_step}
         for fn, phase in (("encode_prompts", "encode"), ("velocity", velocity_phase(phases)),
                           ("decode", "decode")):
-            stack.enter_context(estimate.patched(common, fn, wrapped(getattr(common, fn), phases, phase)))
-        stack.enter_context(estimate.patched(common, "optimizer_step", optimizer_step))
+            patches[fn] = wrapped(getattr(common, fn), phases, phase)
+        for fn, patch in patches.items():  # common's, and the names rundir imported from it
+            for module in (common, rundir):
+                if hasattr(module, fn):
+                    stack.enter_context(estimate.patched(module, fn, patch))
         argv_file = [os.path.join(ROOT, script + ".py"), *argv.split(), *extra]
         stack.enter_context(estimate.patched(sys, "argv", argv_file))
         stack.enter_context(contextlib.redirect_stdout(sys.stderr))  # its summary: stdout is the report's

@@ -51,11 +51,10 @@ if __name__ == "__main__":
     result = {}
 
     unsharded = build_flux(seed=0).transformer.to(torch.bfloat16)
-    make_trainable(unsharded, "flux", lora_rank=4, lora_alpha=8, full_finetune=False, reference=False)
+    make_trainable(unsharded, "flux", lora=(4, 8), reference=False)
     result["dtypes"] = {"unsharded": block_dtypes(unsharded, x, emb)}
     transformer = build_flux(seed=0).transformer
-    _, ref = make_trainable(transformer, "flux", lora_rank=4, lora_alpha=8, full_finetune=True, reference=True,
-                            sharded=True, compute_dtype=torch.bfloat16)
+    _, ref = make_trainable(transformer, "flux", lora=None, reference=True, sharded=True, compute_dtype=torch.bfloat16)
     result["dtypes"]["sharded"] = block_dtypes(transformer, x, emb)
 
     record = []

@@ -1,16 +1,16 @@
 """The gradient of the PPO-clip + KL loss through common.velocity on a fixed batch of 4, on tiny Flux, and the
-weights after one common.optimizer_step (AdamW, norm clipping) with it.
+weights after one common.optimizer_step (AdamW, norm clipping) with it, for each of several modes in one launch.
 
-    python tests/dist_grad.py OUT.pt [--checkpointing] [--bf16] [--lora] [--awm]  # one process, the whole batch
-    torchrun --nproc_per_node 2 tests/dist_grad.py OUT.pt [...]              # each rank half of the batch: FSDP2
-                                                                             # (full fine-tuning) or DDP-style LoRA
+    python tests/dist_grad.py OUT.pt MODE [MODE ...]               # one process, the whole batch
+    torchrun --nproc_per_node 2 tests/dist_grad.py OUT.pt MODE [...]  # each rank half of the batch: FSDP2 (full
+                                                                    # fine-tuning) or DDP-style LoRA
 
---awm: awm.py's loss instead (the PPO-clipped ratio of flow-matching log-probs, the KL to the reference and to a
-KL-EMA weight set swapped in with common.swapped_in: DTensor shards under FSDP2).
+A MODE is a comma-separated set of flags, or "plain": checkpointing (activation checkpointing), bf16, lora, awm
+(awm.py's loss instead: the PPO-clipped ratio of flow-matching log-probs, the KL to the reference and to a KL-EMA
+weight set swapped in with common.swapped_in: DTensor shards under FSDP2).
 
-Writes {"grads": {name: full gradient}, "before" / "updated": {name: trainable weight before / after the step}}
-(rank 0);
-tests/test_memory.py compares the files.
+Writes {MODE: {"grads": {name: full gradient}, "before" / "updated": {name: trainable weight before / after the
+step}}} (rank 0); tests/test_memory.py compares the files.
 """
 import os
 import sys
@@ -19,23 +19,25 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "toy")]
-from common import (as_reference, close_distributed, flow_matching_log_prob, make_trainable, optimizer_step,  # noqa: E402
-                    sde_mean_std, sde_step, select, setup_distributed, shifted_sigmas, swapped_in, velocity)
+from awm import awm_log_prob  # noqa: E402
+from common import (as_reference, close_distributed, make_trainable, optimizer_step, select, setup_distributed,  # noqa: E402
+                    shifted_sigmas, swapped_in, velocity)
+from flow_grpo import sde_step  # noqa: E402
 from tiny import build_flux  # noqa: E402
 
-if __name__ == "__main__":
-    torch.set_num_threads(1)
-    rank, world, device = setup_distributed()
+
+def one_step(flags: set, rank: int, world: int) -> dict:
+    """The gradients and the weights before and after one optimizer step, in the mode `flags`."""
     transformer = build_flux(seed=0).transformer.requires_grad_(False)
     with torch.no_grad():  # a reference that differs from the policy, so that the KL has a gradient
         for p in transformer.parameters():
             p.add_(0.01 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
-    amp = torch.bfloat16 if "--bf16" in sys.argv else None
-    lora = "--lora" in sys.argv
+    amp = torch.bfloat16 if "bf16" in flags else None
+    lora = "lora" in flags
     sharded = world > 1 and not lora
-    params, ref = make_trainable(transformer, "flux", lora_rank=4, lora_alpha=8, full_finetune=not lora,
+    params, ref = make_trainable(transformer, "flux", lora=(4, 8) if lora else None,
                                  reference=True, sharded=sharded, compute_dtype=amp,
-                                 checkpointing="--checkpointing" in sys.argv)
+                                 checkpointing="checkpointing" in flags)
     with torch.no_grad():
         if ref is not None:  # full fine-tuning: a frozen copy, made to differ from the policy
             for p in ref.parameters():
@@ -52,7 +54,7 @@ if __name__ == "__main__":
     advantages, sigmas = torch.randn(n, generator=g), shifted_sigmas(4, shift=3.0)
     rows = torch.arange(rank * n // world, (rank + 1) * n // world)  # this rank's half (or all of it)
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp is not None and world == 1)
-    if "--awm" in sys.argv:  # awm.py's order: the KL-EMA's forward (weights swapped in place) before the policy's
+    if "awm" in flags:  # awm.py's order: the KL-EMA's forward (weights swapped in place) before the policy's
         kl_ema = [p.detach().clone().mul_(0.9) for p in params.values()]
         t, x0, eps = 0.6, x[rows], x_next[rows]
         x_t, e = (1 - t) * x0 + t * eps, select(emb, rows)
@@ -60,7 +62,7 @@ if __name__ == "__main__":
             v_ema = velocity(transformer, "flux", x_t, t, e, guidance=3.5)
         with autocast:
             v = velocity(transformer, "flux", x_t, t, e, guidance=3.5).double()
-        log_prob = flow_matching_log_prob(((v - (eps - x0).double()) ** 2).mean(dim=(1, 2, 3)), t, "ghuber")
+        log_prob = awm_log_prob(v, eps - x0, t, weighting="ghuber", power=0.25)
         with torch.no_grad(), as_reference(transformer, ref) as reference:
             v_ref = velocity(reference, "flux", x_t, t, e, guidance=3.5)
         ratio, adv = torch.exp(log_prob - log_prob.detach()), advantages[rows]
@@ -73,7 +75,7 @@ if __name__ == "__main__":
         # the files' loss: the PPO-clipped ratio and the official KL of the step means
         with torch.no_grad(), as_reference(transformer, ref) as reference:
             v_ref = velocity(reference, "flux", x[rows], sigmas[1], select(emb, rows), guidance=3.5)
-        mean_ref, _, _ = sde_mean_std(v_ref, x[rows], sigmas, 1, 0.7)
+        _, _, mean_ref, _ = sde_step(v_ref, x[rows], sigmas, 1, 0.7, prev_sample=x_next[rows])
         kl = ((mean - mean_ref) ** 2).mean(dim=(1, 2, 3)).mean() / (2 * std**2 / float(sigmas[1] - sigmas[2]))
         ratio, adv = torch.exp(log_prob - log_prob.detach()), advantages[rows]
         loss = torch.max(-adv * ratio, -adv * ratio.clamp(1 - 1e-4, 1 + 1e-4)).mean() + 0.04 * kl
@@ -84,6 +86,13 @@ if __name__ == "__main__":
     optimizer = torch.optim.AdamW(params.values(), lr=1e-3, weight_decay=1e-4)
     optimizer_step(params, optimizer, max_grad_norm=1.0, sharded=sharded, has_gradient=True)
     updated = {name: full(p) for name, p in params.items()}
+    return {"grads": grads, "before": before, "updated": updated}
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    rank, world, device = setup_distributed()
+    results = {mode: one_step(set(mode.split(",")), rank, world) for mode in sys.argv[2:]}
     if rank == 0:
-        torch.save({"grads": grads, "before": before, "updated": updated}, sys.argv[1])
+        torch.save(results, sys.argv[1])
     close_distributed()  # rank 0 has written the file before any rank leaves

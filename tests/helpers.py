@@ -3,6 +3,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -36,15 +37,61 @@ def tiny_flags(model, prompts, out, **over):
     return args
 
 
-def run_script(script, args, nproc=1, check=True, timeout=600):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", TOKENIZERS_PARALLELISM="false")
-    launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                                    f"--nproc_per_node={nproc}"]
-    proc = subprocess.run(launcher + [os.path.join(ROOT, script)] + list(args), capture_output=True, text=True,
-                          cwd=ROOT, env=env, timeout=timeout)
+def run_script(script, args, nproc=1, check=True, timeout=600, fresh=False):
+    """Run a script of this project with `args` and return its (returncode, stdout, stderr): in this process, where
+    torch and diffusers are already imported (one thread, warnings off, as a new process would run it), or in new
+    processes where a test needs them: `nproc` > 1 (torchrun) or `fresh` (a new interpreter, e.g. to be killed)."""
+    if nproc == 1 and not fresh:
+        proc = run_here(script, args)
+    else:
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", TOKENIZERS_PARALLELISM="false")
+        launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run",
+                                                        "--standalone", f"--nproc_per_node={nproc}"]
+        proc = subprocess.run(launcher + [os.path.join(ROOT, script)] + list(args), capture_output=True, text=True,
+                              cwd=ROOT, env=env, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"{script} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     return proc
+
+
+HERE = threading.Lock()  # one script at a time in this process (sys.argv, the cwd, stdout are global)
+
+
+def run_here(script, args):
+    """A script's main block run in this process as `python script args` would run it: its exit code (a
+    SystemExit's message goes to stderr, an exception's traceback too), its stdout and stderr."""
+    import contextlib
+    import io
+    import runpy
+    import traceback
+    import warnings
+
+    import torch
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    argv, cwd, threads = sys.argv, os.getcwd(), torch.get_num_threads()
+    path = os.path.join(ROOT, script)
+    HERE.acquire()
+    try:
+        sys.argv = [path, *map(str, args)]
+        os.chdir(ROOT)
+        torch.set_num_threads(1)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            try:
+                runpy.run_path(path, run_name="__main__")
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+                if not isinstance(e.code, (int, type(None))):
+                    print(e.code, file=sys.stderr)
+            except Exception:  # a traceback, as a process would print it
+                traceback.print_exc()
+                code = 1
+    finally:
+        sys.argv = argv
+        os.chdir(cwd)
+        torch.set_num_threads(threads)
+        HERE.release()
+    return subprocess.CompletedProcess(sys.argv, code, out.getvalue(), err.getvalue())
 
 
 def read_metrics(out_dir):
@@ -64,3 +111,19 @@ def check_args(module, world=1, **over):
     for k, v in over.items():
         setattr(args, k, v)
     module.check_args(args, world=world)
+
+
+def run_in_process(script, args, monkeypatch, wrap=None):
+    """Run an algorithm file's main block in this process (threads: 1), each name in `wrap` (a function the file
+    defines or imports) replaced in the file's namespace by wrap[name](that function) before the main block runs."""
+    import torch
+    path = os.path.join(ROOT, script)
+    with open(path) as f:
+        source = f.read()
+    marker = 'if __name__ == "__main__":'
+    assert source.count(marker) == 1
+    hooks = "".join(f"{name} = __wrap__[{name!r}]({name})\n" for name in wrap or {})
+    monkeypatch.setattr(sys, "argv", [script] + [str(a) for a in args])
+    torch.set_num_threads(1)
+    exec(compile(source.replace(marker, hooks + marker), path, "exec"),
+         {"__name__": "__main__", "__file__": path, "__wrap__": wrap or {}})

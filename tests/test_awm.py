@@ -1,16 +1,16 @@
 """awm.py: closed-form checks of its math (SA-Solver, the surrogate log-prob, the timestep strata), its NFE
 against planned_nfe on tiny random Flux and SD3 pipelines, and its argument checks."""
 import os
-import runpy
-import sys
 
 import pytest
 import torch
 
 import awm
 import common
-from common import flow_matching_log_prob, ode_step, sa_solver, shifted_sigmas, stratified_indices
-from helpers import ROOT, check_args, read_metrics, run_script, tiny_flags
+from awm import awm_log_prob, stratified_indices
+from common import sa_solver, shifted_sigmas
+from g2rpo import ode_step
+from helpers import check_args, read_metrics, run_in_process, run_script, tiny_flags
 from test_math import M, S, exact_velocity
 
 
@@ -61,11 +61,15 @@ def test_surrogate_log_prob_is_the_official_expression():
     tiny = torch.pow(torch.tensor(1e-10, dtype=torch.float64), p)
     official = {"Uniform": -mse, "t": -mse * t, "t**2": -mse * t**2, "huber": -(torch.sqrt(mse + 1e-10) - 1e-5) * t,
                 "ghuber": -(torch.pow(mse + 1e-10, p) - tiny) * t / p}
+    v = torch.randn(64, 2, 3, 3, generator=g, dtype=torch.float64)
+    target = v - mse.sqrt().view(-1, 1, 1, 1)  # mean (v - target)^2 = mse
     for weighting, expected in official.items():
-        torch.testing.assert_close(flow_matching_log_prob(mse, t, weighting, p), expected, rtol=1e-12, atol=1e-15)
-    mse.requires_grad_(True)  # ghuber's gradient: -t (mse + 1e-10)^(p - 1)
-    flow_matching_log_prob(mse, t, "ghuber", p).sum().backward()
-    torch.testing.assert_close(mse.grad, -t * (mse.detach() + 1e-10) ** (p - 1))
+        torch.testing.assert_close(awm_log_prob(v, target, t, weighting=weighting, power=p), expected, rtol=1e-12,
+                                   atol=1e-15)
+    v.requires_grad_(True)  # ghuber's gradient: -t (mse + 1e-10)^(p - 1) d mse / d v
+    awm_log_prob(v, target, t, weighting="ghuber", power=p).sum().backward()
+    d_mse = 2 * (v - target).detach() / v[0].numel()
+    torch.testing.assert_close(v.grad, (-t * (mse + 1e-10) ** (p - 1)).view(-1, 1, 1, 1) * d_mse)
 
 
 @pytest.mark.parametrize("kind,strata", [
@@ -127,36 +131,46 @@ def test_several_steps_per_iteration_train_what_the_official_code_trains(tiny, t
     official one written out here (train_sd3_awm.py: the later mini-batches' old log-probs computed before the first
     step, :1227-1238; the first's the same forward's, :1282-1284; the exp_first PPO loss and the KLs, :1286-1354), the
     eval EMA steps once per iteration (:1391-1392), and the NFE is planned_nfe's."""
-    real = {name: getattr(common, name) for name in ("load_pipeline", "sa_solver", "combine_advantages",
-                                                      "rank_chunks", "velocity", "optimizer_step")}
-    seen = {"chunks": [], "policy_forwards": [], "steps": []}
+    seen = {"terms": [], "policy_forwards": [], "steps": []}
     beta, ema_beta, lr = 1e-3, 1e-2, 1.0  # a large step: the ratio moves away from 1
 
-    def load_pipeline(*a, **k):
-        seen["pipe"], kind = real["load_pipeline"](*a, **k)
-        return seen["pipe"], kind
+    def keep(name, many=False):  # records what a function of the file returns
+        def wrap(real):
+            def spy(*a, **k):
+                out = real(*a, **k)
+                seen[name].append(out) if many else seen.__setitem__(name, out)
+                return out
+            return spy
+        return wrap
 
-    def sa_solver(*a, **k):
-        seen["x0"] = real["sa_solver"](*a, **k)
-        return seen["x0"]
+    def velocity_spy(real):
+        def spy(transformer, kind, x, sigma, emb, *, guidance):
+            if torch.is_grad_enabled():  # the policy's forwards: the terms a step trains on
+                seen["policy_forwards"].append((len(seen["steps"]), x.detach().clone(), float(sigma), emb))
+            return real(transformer, kind, x, sigma, emb, guidance=guidance)
+        return spy
 
-    def combine_advantages(*a, **k):
-        seen["advantages"] = real["combine_advantages"](*a, **k)
-        return seen["advantages"]
+    def start_run_spy(real):
+        def spy(*a, **k):
+            run = seen["run"] = real(*a, **k)
+            real_step = run.optimizer_step
 
-    def rank_chunks(*a, **k):
-        seen["chunks"].append(real["rank_chunks"](*a, **k))
-        return seen["chunks"][-1]
-
-    def velocity(transformer, kind, x, sigma, emb, *, guidance):
-        if torch.is_grad_enabled():  # the policy's forwards: the terms a step trains on
-            seen["policy_forwards"].append((len(seen["steps"]), x.detach().clone(), float(sigma), emb))
-        return real["velocity"](transformer, kind, x, sigma, emb, guidance=guidance)
+            def optimizer_step(terms):
+                seen["steps"].append({n: p.detach().clone() for n, p in run.params.items()})
+                if len(seen["steps"]) == 2:
+                    seen["file_gradient"] = {n: p.grad.clone() for n, p in run.params.items()}
+                    nfe = common.NFE["count"]
+                    seen["official_gradient"] = official_gradient(run.params, 1)
+                    seen["nfe_here"] = common.NFE["count"] - nfe  # the test's forwards, not the file's
+                return real_step(terms)
+            run.optimizer_step = optimizer_step
+            return run
+        return spy
 
     def official_gradient(params, u):
         """The second step's gradient of train_sd3_awm.py's loss at the weights after the first step."""
-        pipe, x0 = seen["pipe"], seen["x0"]
-        (c, _), = seen["chunks"][u]  # one micro-batch of 4 samples a mini-batch
+        pipe, x0, real_velocity = seen["run"].pipe, seen["x0"], common.velocity
+        c = seen["terms"][u][0][1]  # one micro-batch of 4 samples a mini-batch
         adv = (seen["advantages"].reshape(-1)[c].clamp(-5, 5) / 5 * 1.0).double()  # advantage_max 1 (:1293-1299)
         terms = [(x_t, t, emb) for step, x_t, t, emb in seen["policy_forwards"] if step == u]
         now = {n: p.detach().clone() for n, p in params.items()}
@@ -168,13 +182,13 @@ def test_several_steps_per_iteration_train_what_the_official_code_trains(tiny, t
         with torch.no_grad():  # old log-probs and the KL-EMA (still the initial weights): before the first step
             for n, p in params.items():
                 p.copy_(seen["steps"][0][n])
-            v_old = [real["velocity"](pipe.transformer, "sd3", x_t, t, emb, guidance=1.0) for x_t, t, emb in terms]
+            v_old = [real_velocity(pipe.transformer, "sd3", x_t, t, emb, guidance=1.0) for x_t, t, emb in terms]
             for n, p in params.items():
                 p.copy_(now[n])
             pipe.transformer.disable_adapters()  # the reference: LoRA off (:1272-1275)
-            v_ref = [real["velocity"](pipe.transformer, "sd3", x_t, t, emb, guidance=1.0) for x_t, t, emb in terms]
+            v_ref = [real_velocity(pipe.transformer, "sd3", x_t, t, emb, guidance=1.0) for x_t, t, emb in terms]
             pipe.transformer.enable_adapters()
-        v = [real["velocity"](pipe.transformer, "sd3", x_t, t, emb, guidance=1.0) for x_t, t, emb in terms]
+        v = [real_velocity(pipe.transformer, "sd3", x_t, t, emb, guidance=1.0) for x_t, t, emb in terms]
         log_probs = torch.stack([log_prob(v_k, x_t, t) for v_k, (x_t, t, _) in zip(v, terms)])  # [T, B]
         old = torch.stack([log_prob(v_k, x_t, t) for v_k, (x_t, t, _) in zip(v_old, terms)])
         ratio = torch.exp(log_probs.view(-1) - old.view(-1).detach())  # exp_first (:1305-1307)
@@ -186,23 +200,12 @@ def test_several_steps_per_iteration_train_what_the_official_code_trains(tiny, t
         seen["official_ratio"] = ratio.detach()
         return dict(zip(params, torch.autograd.grad(loss, list(params.values()))))
 
-    def optimizer_step(params, optimizer, **k):
-        seen["steps"].append({n: p.detach().clone() for n, p in params.items()})
-        if len(seen["steps"]) == 2:
-            seen["file_gradient"] = {n: p.grad.clone() for n, p in params.items()}
-            nfe = common.NFE["count"]
-            seen["official_gradient"] = official_gradient(params, 1)
-            seen["nfe_here"] = common.NFE["count"] - nfe  # the test's forwards, not the file's
-        return real["optimizer_step"](params, optimizer, **k)
-
-    for name in real:
-        monkeypatch.setattr(common, name, locals()[name])
     flags = tiny_flags(tiny["sd3"], tiny["prompts"], tmp_path, guidance=1.0, num_iterations=1, eval_every=0,
                        updates_per_iteration=2, train_timesteps=3, beta=beta, ema_beta=ema_beta,
                        learning_rate=lr, ema_every=1)
-    monkeypatch.setattr(sys, "argv", ["awm.py"] + flags)
-    torch.set_num_threads(1)
-    runpy.run_path(os.path.join(ROOT, "awm.py"), run_name="__main__")
+    run_in_process("awm.py", flags, monkeypatch, wrap={
+        "start_run": start_run_spy, "sa_solver": keep("x0"), "combined_advantages": keep("advantages"),
+        "micro_batches": keep("terms", many=True), "velocity": velocity_spy})
 
     assert len(seen["steps"]) == 2 and not (seen["official_ratio"] == 1).all()
     file, official = (torch.cat([g[n].flatten() for n in sorted(g)]) for g in (seen["file_gradient"],

@@ -1,4 +1,5 @@
 """Every rejected argument exits with a one-line error that names the value and what is allowed."""
+import glob
 import os
 import re
 
@@ -33,7 +34,7 @@ def test_paper_commands_fail_at_once_without_the_prompt_files(tmp_path):
     paths = tiny_model_dirs(str(tmp_path))
     out = run_script("flow_grpo.py", ["--model", paths["flux"], "--output-dir", str(tmp_path / "o")], check=False)
     assert out.returncode != 0 and out.stderr.strip().splitlines()[-1] == (
-        "error: prompt file 'data/pickscore/train.txt' does not exist; README 'Prompt sets' says where each paper's "
+        "error: prompt file 'data/pickscore/train.txt' does not exist; docs/rewards.md 'Prompt sets' says where each paper's "
         "prompts come from (or pass any text file with one prompt per line)")
 
 
@@ -180,7 +181,7 @@ def test_output_paths_are_checked_before_any_work(tmp_path):
 
 
 def test_prompt_files(tmp_path):
-    with pytest.raises(SystemExit, match=f"prompt file '{tmp_path}/missing.txt' does not exist; README 'Prompt sets' says"):
+    with pytest.raises(SystemExit, match=f"prompt file '{tmp_path}/missing.txt' does not exist; docs/rewards.md 'Prompt sets' says"):
         load_prompt_set(str(tmp_path / "missing.txt"))
     with pytest.raises(SystemExit, match=f"prompt file '{tmp_path}' is a directory; pass a text file with one prompt"):
         load_prompt_set(str(tmp_path))
@@ -228,9 +229,9 @@ def test_paper_command_lines_parse():
     assert (default.num_steps, default.group_size, default.beta, default.noise_level) == (10, 24, 0.01, 0.7)
 
 
-@pytest.mark.parametrize("script", ["diffusion_nft.py", "awm.py"])
+@pytest.mark.parametrize("script", ["flow_grpo.py", "diffusion_nft.py", "awm.py"])
 def test_the_readmes_command_lines_parse_and_pass_the_checks(script):
-    """Every README command line of the forward-process files (continuation lines joined) parses and passes
+    """Every command line of the forward-process files in README.md and docs/ (continuation lines joined) parses and passes
     check_args at its world size, before any model or prompt file is read."""
     import importlib
     import importlib.util
@@ -241,7 +242,10 @@ def test_the_readmes_command_lines_parse_and_pass_the_checks(script):
 
     from helpers import ROOT
 
-    text = open(os.path.join(ROOT, "README.md")).read().replace("\\\n", " ")
+    pages = [os.path.join(ROOT, "README.md"), *glob.glob(os.path.join(ROOT, "docs", "*.md"))]
+    text = "\n".join(open(p).read() for p in pages).replace("\\\n", " ")
+    for name, value in re.findall(r'^(\w+)="([^"]*)"', text, flags=re.M):  # the pages' shell variables: P="..."
+        text = text.replace(f"${name}", value)
     lines = [line.split("#")[0] for line in text.splitlines() if re.match(rf"(torchrun .*|python ){script}", line)]
     assert len(lines) >= 2, lines
     module = importlib.import_module(script[:-3])

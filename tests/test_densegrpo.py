@@ -51,7 +51,7 @@ def test_pure_ode_gives_zero_dense_rewards(tmp_path):
     with torch.no_grad():
         for i in range(4):  # the sampler with psi = 0 at every step: the Euler ODE
             v = common.velocity(pipe.transformer, "flux", x[i], sigmas[i], emb, guidance=3.5)
-            x.append(common.sde_step(v, x[i], sigmas, i, 0.0)[0])
+            x.append(densegrpo.sde_step(v, x[i], sigmas, i, 0.0)[0])
         paths = [densegrpo.spaced_indices(i, 4, 4) for i in range(4)]
         x0 = common.ode_complete(pipe.transformer, "flux", torch.cat(x[:4]), paths, sigmas, emb, guidance=3.5,
                                  micro_batch=4, emb_index=torch.zeros(4, dtype=torch.long))

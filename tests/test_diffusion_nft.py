@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import diffusion_nft
-from common import dpm2_step, ode_step
+from common import dpm2_step
+from g2rpo import ode_step
 from helpers import check_args, read_metrics, run_script, tiny_flags
 from test_math import M, S, TOL, exact_velocity
 

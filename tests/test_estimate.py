@@ -3,19 +3,15 @@ over a fake process group, the algorithm files' own Args and closed-form NFE), i
 rot; and results/gpu_check.py's whole-iteration runs through the algorithm files, on tiny models (CPU)."""
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 
-from helpers import ROOT
+from helpers import ROOT, run_script
 
 sys.path.insert(0, os.path.join(ROOT, "results"))
 import estimate  # noqa: E402
 import gpu_check  # noqa: E402
-
-ENV = dict(os.environ, OMP_NUM_THREADS="1")
-
 
 def command(prefix):
     return next(c for c in estimate.COMMANDS if c[0].startswith(prefix))
@@ -109,9 +105,10 @@ def test_reward_models_and_evaluation_rows():
 
 @pytest.mark.slow
 def test_estimate_script_writes_every_command(tmp_path):
+    """Every command, reward model and evaluation in the report's tables (the re-measurements of the before/after
+    table, estimate.undone, are test_undoing_a_change_never_lowers_the_peak's)."""
     out = tmp_path / "estimate.md"
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "results", "estimate.py"), "--tiny", "--out",
-                           str(out)], capture_output=True, text=True, timeout=600, env=ENV)
+    proc = run_script("results/estimate.py", ["--tiny", "--no-undo", "--out", str(out)], check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     text = out.read_text()
     for name, *_ in estimate.COMMANDS:
@@ -130,10 +127,8 @@ def test_gpu_check_script_runs_on_a_tiny_model(tmp_path):
     """results/gpu_check.py is what a session with a GPU runs: one whole iteration of each single-GPU
     configuration through its algorithm file; its code path works on a CPU, on tiny models."""
     out = tmp_path / "gpu_check.json"
-    script = os.path.join(ROOT, "results", "gpu_check.py")
     # in bf16, the GPU's dtype: a float32 buffer filled with bf16 velocities failed only there
-    proc = subprocess.run([sys.executable, script, "--tiny", "--dtype", "bf16", "--out", str(out)],
-                          capture_output=True, text=True, timeout=600, env=ENV)
+    proc = run_script("results/gpu_check.py", ["--tiny", "--dtype", "bf16", "--out", str(out)], check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     configs = json.loads(out.read_text())["configurations"]
     single = [c for c in estimate.COMMANDS if c[0].startswith("1 GPU:")]
@@ -151,7 +146,6 @@ def test_gpu_check_script_runs_on_a_tiny_model(tmp_path):
         assert "training step" in c["measured_gib"] and c["lora gradients"] > 0, c["name"]
         assert c["base_weights_unchanged"] and c["seconds_per_iteration"] > 0 and c["rollout_seconds"] > 0
     assert "| training step |" in proc.stdout
-    only = subprocess.run([sys.executable, script, "--tiny", "--only", "coca"], capture_output=True,
-                          text=True, timeout=300, env=ENV)
+    only = run_script("results/gpu_check.py", ["--tiny", "--only", "coca"], check=False)
     assert only.returncode == 0, only.stderr[-3000:]
     assert "### 1 GPU: Flow-GRPO + CoCA" in only.stdout and "### 1 GPU: DenseGRPO" not in only.stdout

@@ -211,7 +211,7 @@ def test_bad_inputs_give_one_line_errors(tmp_path):
          "the unifiedreward reward needs --unifiedreward-url, the address of a server that serves it"),
         (dict(metrics=("jpeg", "jpeg")), "--metrics jpeg jpeg names a metric twice; name each once"),
         (dict(prompts=p(root, "missing.txt")),
-         f"prompt file '{p(root, 'missing.txt')}' does not exist; README 'Prompt sets' says where each paper's prompts "
+         f"prompt file '{p(root, 'missing.txt')}' does not exist; docs/rewards.md 'Prompt sets' says where each paper's prompts "
          f"come from (or pass any text file with one prompt per line)"),
         (dict(num_prompts=0), "--num-prompts 0 is not allowed; use a value >= 1"),
         (dict(seeds_per_prompt=0), "--seeds-per-prompt 0 is not allowed; use a value >= 1"),

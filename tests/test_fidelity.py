@@ -3,8 +3,6 @@ timestep precision, G2RPO optimizer steps, DenseGRPO calibration and completion 
 import json
 import math
 import os
-import runpy
-import sys
 
 import pytest
 import torch
@@ -12,9 +10,10 @@ import torch
 import common
 import densegrpo
 import flow_grpo
-from common import (LORA_TARGETS, ema_update, make_trainable, pipeline_sigmas, sde_mean_std, shifted_sigmas,
-                    spaced_indices, velocity)
-from helpers import ROOT, read_metrics, run_script, tiny_flags
+from common import LORA_TARGETS, ema_update, make_trainable, pipeline_sigmas, shifted_sigmas, velocity
+from densegrpo import spaced_indices
+from g2rpo import strided_indices
+from helpers import read_metrics, run_in_process, run_script, tiny_flags
 from tiny import build_flux, build_sd3
 
 SD3_T10 = [1.0, 0.9601, 0.9133, 0.8577, 0.7904, 0.7073, 0.6022, 0.4649, 0.2780, 0.0089, 0.0]  # diffusers, shift 3
@@ -39,20 +38,20 @@ def test_pipeline_schedules():
     assert last_std(FLUX_512_T6[5], 0.9) == pytest.approx(0.288, abs=1e-3)
 
 
-def run_in_process(script, args, monkeypatch):
-    """Run an algorithm file's main block here, recording every sampling step (i, noise level, sigmas, x, v, x_next)."""
-    calls, real = [], common.sde_step
+def sampling_steps(script, args, monkeypatch):
+    """Run an algorithm file's main block here, recording every sampling step of its own sde_step (i, noise level,
+    sigmas, x, v, x_next, the step's std)."""
+    calls = []
 
-    def spy(v, x, sigmas, i, noise_level, *, prev_sample=None, generator=None, form="flow_grpo"):
-        out = real(v, x, sigmas, i, noise_level, prev_sample=prev_sample, generator=generator, form=form)
-        if prev_sample is None:
-            calls.append((i, noise_level, sigmas.clone(), x.float(), v.float(), out[0], form))
-        return out
+    def wrap(real):
+        def spy(v, x, sigmas, i, noise_level, *, prev_sample=None, generator=None):
+            out = real(v, x, sigmas, i, noise_level, prev_sample=prev_sample, generator=generator)
+            if prev_sample is None:
+                calls.append((i, noise_level, sigmas.clone(), x.float(), v.float(), out[0], out[3]))
+            return out
+        return spy
 
-    monkeypatch.setattr(common, "sde_step", spy)
-    monkeypatch.setattr(sys, "argv", [script] + [str(a) for a in args])
-    torch.set_num_threads(1)
-    runpy.run_path(os.path.join(ROOT, script), run_name="__main__")
+    run_in_process(script, args, monkeypatch, wrap={"sde_step": wrap})
     return calls
 
 
@@ -69,7 +68,7 @@ def test_untrained_last_step_is_deterministic(tiny, tmp_path, monkeypatch, scrip
     """The rewarded (decoded) latent carries no untrained noise: the last step is x - sigma v unless it is trained."""
     base = tiny_flags(tiny["sd3"], tiny["prompts"], tmp_path / "a", num_iterations=1, eval_every=0, guidance=4.5,
                       num_steps=5, noise_level=0.7)
-    calls = run_in_process(script, base, monkeypatch)
+    calls = sampling_steps(script, base, monkeypatch)
     assert levels(calls) == [0.7] * 4 + [0.0]  # T = 5: int(0.99 * 5) = 4 trained steps, the 5th is not
     for i, _, sigmas, x, v, x_next, _ in calls[-2:]:  # two micro-batches of 4
         assert i == 4 and float(sigmas[5]) == 0
@@ -78,7 +77,7 @@ def test_untrained_last_step_is_deterministic(tiny, tmp_path, monkeypatch, scrip
     torch.testing.assert_close(sigmas, pipeline_sigmas(build_sd3(), "sd3", num_steps=5, image_tokens=0))
     assert not torch.equal(sigmas, shifted_sigmas(5, shift=3.0))
     # a trained last step keeps its noise
-    calls = run_in_process(script, tiny_flags(tiny["sd3"], tiny["prompts"], tmp_path / "b", num_iterations=1,
+    calls = sampling_steps(script, tiny_flags(tiny["sd3"], tiny["prompts"], tmp_path / "b", num_iterations=1,
                                               eval_every=0, guidance=4.5, num_steps=5, timestep_fraction=1.0),
                            monkeypatch)
     assert levels(calls) == [0.7] * 5
@@ -88,8 +87,10 @@ def test_dancegrpo_samples_its_schedule_and_decodes_x0_hat(tiny, tmp_path, monke
     """DanceGRPO: the shifted schedule, its constant-eta SDE at every step but the last, which is x - sigma v."""
     flags = tiny_flags(tiny["flux"], tiny["prompts"], tmp_path, num_iterations=1, eval_every=0, num_steps=6,
                        no_full_finetune=True, updates_per_iteration=1)
-    calls = run_in_process("dancegrpo.py", flags, monkeypatch)
-    assert levels(calls) == [0.3] * 5 + [0.0] and {c[6] for c in calls} == {"dance"}
+    calls = sampling_steps("dancegrpo.py", flags, monkeypatch)
+    assert levels(calls) == [0.3] * 5 + [0.0]
+    for i, _, sigmas, *_, std in calls[:-2]:  # DanceGRPO's constant eta: std = eta sqrt(-dt)
+        assert std == pytest.approx(0.3 * math.sqrt(float(sigmas[i] - sigmas[i + 1])), rel=1e-6)
     assert torch.equal(calls[0][2], shifted_sigmas(6, shift=3.0))
     for i, _, sigmas, x, v, x_next, _ in calls[-2:]:
         assert i == 5 and float(sigmas[6]) == 0
@@ -97,8 +98,8 @@ def test_dancegrpo_samples_its_schedule_and_decodes_x0_hat(tiny, tmp_path, monke
 
 
 def test_kl_scales_against_hand_computation():
-    """The reference step mean is sde_mean_std's, as a hand computation: std_dev_t = a sqrt(sigma / (1 - sigma))
-    and mu = x + (v + std_dev_t^2 / (2 sigma) (x + (1 - sigma) v)) dt."""
+    """The reference step mean is flow_grpo.sde_step's, as a hand computation: std_dev_t = a sqrt(sigma / (1 -
+    sigma)) and mu = x + (v + std_dev_t^2 / (2 sigma) (x + (1 - sigma) v)) dt."""
     ref = build_flux().transformer
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2, 4, 16, 16, generator=g)
@@ -109,9 +110,9 @@ def test_kl_scales_against_hand_computation():
         v_ref = velocity(ref, "flux", x, sigmas[i], emb, guidance=3.5).float()
     std_dev_t = a * math.sqrt(sigma / (1 - sigma))
     mu_ref = x + (v_ref + std_dev_t**2 / (2 * sigma) * (x + (1 - sigma) * v_ref)) * dt
-    mean, std, g_t = sde_mean_std(v_ref, x, sigmas, i, a)
+    _, _, mean, std = flow_grpo.sde_step(v_ref, x, sigmas, i, a, prev_sample=x)
     torch.testing.assert_close(mean, mu_ref, rtol=1e-6, atol=1e-6)
-    assert g_t == pytest.approx(std_dev_t) and std == pytest.approx(std_dev_t * math.sqrt(-dt))
+    assert std == pytest.approx(std_dev_t * math.sqrt(-dt))
     assert 4 < 1 / abs(dt) < 28  # at T = 10 the exact form is 4x to 28x the official one
 
 
@@ -138,12 +139,12 @@ def adapted(transformer):
 def test_lora_targets_skip_sd35_second_attention():
     sd3 = build_sd3().transformer
     modules = dict(sd3.named_modules())
-    make_trainable(sd3, "sd3", lora_rank=4, lora_alpha=8, full_finetune=False, reference=False)
+    make_trainable(sd3, "sd3", lora=(4, 8), reference=False)
     names = adapted(sd3)
     assert names == sorted(n for n in (f"transformer_blocks.0.{t}" for t in LORA_TARGETS["sd3"]) if modules.get(n))
     assert len(names) >= 7 and "transformer_blocks.0.attn2.to_q" in modules and not any("attn2" in n for n in names)
     flux = build_flux().transformer
-    make_trainable(flux, "flux", lora_rank=4, lora_alpha=8, full_finetune=False, reference=False)
+    make_trainable(flux, "flux", lora=(4, 8), reference=False)
     names = adapted(flux)
     assert "single_transformer_blocks.0.attn.to_q" in names and "transformer_blocks.0.ff_context.net.2" in names
     assert "single_transformer_blocks.0.proj_out" not in names
@@ -214,7 +215,7 @@ def test_spaced_completions_take_exactly_n_steps():
             assert all(b > a for a, b in zip(idx, idx[1:]))
     assert spaced_indices(0, 10, 6) == [0, 2, 4, 5, 7, 9, 10]
     for i in range(T):  # n = 2 and n = t are the strided paths they always were
-        assert spaced_indices(i, T, 2) == common.strided_indices(i, T, -(-(T - i) // min(2, T - i)))
+        assert spaced_indices(i, T, 2) == strided_indices(i, T, -(-(T - i) // min(2, T - i)))
         assert spaced_indices(i, T, T) == list(range(i, T + 1))
 
 
@@ -359,7 +360,7 @@ def test_groups_of_equal_rewards_are_not_trained(tiny, tmp_path, monkeypatch, sc
         brightness = images.float().mean(dim=(1, 2, 3))
         return torch.tensor([0.5 if p.startswith("a red") else float(b) for p, b in zip(prompts, brightness)])
 
-    monkeypatch.setattr(common, "jpeg_compressibility", half_constant)
+    monkeypatch.setitem(common.REWARD_FUNCTIONS, "jpeg", half_constant)
     prompts = tmp_path / "two.txt"
     prompts.write_text("a red circle on the left\na blue square on the top\n")
     out = tmp_path / "out"

@@ -133,7 +133,7 @@ def test_lora_export_loads_at_full_strength(tiny, tmp_path, kind):
     run, _ = read_metrics(tmp_path)
     ckpt = os.path.join(run, "checkpoints", "iter_2")
     trained = DiffusionPipeline.from_pretrained(tiny[kind]).transformer
-    params, _ = make_trainable(trained, kind, lora_rank=4, lora_alpha=8, full_finetune=False, reference=False)
+    params, _ = make_trainable(trained, kind, lora=(4, 8), reference=False)
     state = torch.load(os.path.join(ckpt, "state.pt"), weights_only=True)
     with torch.no_grad():
         for n, p in params.items():

@@ -1,11 +1,17 @@
-"""Closed-form and equivalence checks of the schedule, SDE/ODE steps, log-probs and advantages."""
+"""Closed-form and equivalence checks of the schedule, SDE/ODE steps, log-probs and advantages (the files' own
+functions: flow_grpo.py's SDE step and advantages, dancegrpo.py's, g2rpo.py's ODE step and strides)."""
 import math
 
 import pytest
 import torch
 
-from common import (combine_advantages, gaussian_log_prob, group_advantages, ode_step, sde_mean_std, sde_step,
-                    shifted_sigmas, strided_indices)
+import dancegrpo
+import flow_grpo
+from common import shifted_sigmas
+from flow_grpo import group_advantages, sde_step
+from g2rpo import ode_step, strided_indices
+
+SDE_STEP = {"flow_grpo": flow_grpo.sde_step, "dance": dancegrpo.sde_step}  # g = a sqrt(sigma / (1 - sigma)), eta
 
 
 def exact_velocity(x, sigma, m, s):
@@ -52,8 +58,7 @@ def test_sde_keeps_every_marginal(form, level):
     sigmas = torch.cat([torch.ones(1), torch.linspace(0.9, 0, 101)])  # index 0 (sigma = 1) is only the reference
     x = (1 - 0.9) * (M + S * torch.randn(N, 4, generator=gen)) + 0.9 * torch.randn(N, 4, generator=gen)
     for i in range(1, 101):
-        x, _, _, _ = sde_step(exact_velocity(x, float(sigmas[i]), M, S), x, sigmas, i, level, generator=gen,
-                              form=form)
+        x, _, _, _ = SDE_STEP[form](exact_velocity(x, float(sigmas[i]), M, S), x, sigmas, i, level, generator=gen)
         sig = float(sigmas[i + 1])
         assert abs(x.mean() - (1 - sig) * M) < TOL, (i, sig)
         assert abs(x.std() - math.sqrt((1 - sig) ** 2 * S**2 + sig**2)) < TOL, (i, sig)
@@ -85,10 +90,12 @@ def test_log_prob_matches_torch_normal_and_noise_scale():
         assert std == pytest.approx(0.7 * math.sqrt(sigma / denom) * math.sqrt(sigma - sigma_next), rel=1e-6)
         # recomputing with the sample given reproduces the same log-prob bit for bit
         assert torch.equal(sde_step(v, x, sigmas, i, 0.7, prev_sample=x_next)[1], log_prob)
-        # the mean and std the KL uses are the step's own, and std_dev_t is std / sqrt(-dt)
-        m2, s2, g = sde_mean_std(v, x, sigmas, i, 0.7)
-        assert torch.equal(m2, mean) and s2 == std and g * math.sqrt(sigma - sigma_next) == pytest.approx(std)
-    assert gaussian_log_prob(x, x, 1.0).allclose(torch.full((3,), -0.5 * math.log(2 * math.pi)))
+        # the mean and std the KL uses are the step's own whatever sample is given
+        _, _, m2, s2 = sde_step(v, x, sigmas, i, 0.7, prev_sample=torch.zeros_like(x))
+        assert torch.equal(m2, mean) and s2 == std
+    # DanceGRPO's constant coefficient: std = eta sqrt(-dt)
+    _, _, _, std = dancegrpo.sde_step(v, x, sigmas, 4, 0.3, generator=gen)
+    assert std == pytest.approx(0.3 * math.sqrt(float(sigmas[4] - sigmas[5])), rel=1e-6)
 
 
 def test_noise_level_zero_is_euler():
@@ -100,24 +107,28 @@ def test_noise_level_zero_is_euler():
 
 
 def test_group_advantages():
+    """DanceGRPO's sample std per group, Flow-GRPO's population std (here over all the iteration's rewards)."""
     r = torch.tensor([[1.0, 2.0, 3.0, 4.0], [0.1, 0.1, 0.1, 0.1]])
-    adv = group_advantages(r, eps=1e-8, unbiased=True)
+    adv = dancegrpo.group_advantages(r, eps=1e-8, global_std=False)
     expected = (r[0] - 2.5) / (r[0].std() + 1e-8)
     torch.testing.assert_close(adv[0], expected)
     assert torch.equal(adv[1], torch.zeros(4))  # equal rewards: exactly zero, not (r - mean) / eps
-    pop = group_advantages(r, eps=1e-4, unbiased=False, global_std=True)
+    pop = group_advantages(r, eps=1e-4, global_std=True)
     torch.testing.assert_close(pop[0], (r[0] - 2.5) / (r.double().std(unbiased=False).float() + 1e-4))
+    per_group = group_advantages(r, eps=1e-4, global_std=False)
+    torch.testing.assert_close(per_group[0], (r[0] - 2.5) / (r[0].std(unbiased=False) + 1e-4))
 
 
 def test_combine_advantages_modes():
     g = torch.Generator().manual_seed(0)
     a, b = torch.rand(3, 6, generator=g), 100 * torch.rand(3, 6, generator=g)
-    norm = dict(eps=1e-8, unbiased=True, global_std=False)
-    per = combine_advantages({"a": a, "b": b}, {"a": 1.0, "b": 2.0}, mode="advantages", **norm)
-    torch.testing.assert_close(per, group_advantages(a, eps=1e-8, unbiased=True)
-                               + 2 * group_advantages(b, eps=1e-8, unbiased=True))
-    summed = combine_advantages({"a": a, "b": b}, {"a": 1.0, "b": 2.0}, mode="rewards", **norm)
-    torch.testing.assert_close(summed, group_advantages(a + 2 * b, eps=1e-8, unbiased=True))
+    norm = dict(eps=1e-8, global_std=False)
+    for module in (flow_grpo, dancegrpo):  # the same combination over each file's own advantages
+        per = module.combined_advantages({"a": a, "b": b}, {"a": 1.0, "b": 2.0}, mode="advantages", **norm)
+        torch.testing.assert_close(per, module.group_advantages(a, **norm) + 2 * module.group_advantages(b, **norm))
+        summed = module.combined_advantages({"a": a, "b": b}, {"a": 1.0, "b": 2.0}, mode="rewards", **norm)
+        torch.testing.assert_close(summed, module.group_advantages(a + 2 * b, **norm))
     # no clipping inside: one outlier of 100 gets (1 - 0.01) / std = 9.9, the files clip it to +-5 themselves
-    big = combine_advantages({"a": torch.tensor([[0.0] * 99 + [1.0]])}, {"a": 1.0}, mode="rewards", **norm)
+    big = dancegrpo.combined_advantages({"a": torch.tensor([[0.0] * 99 + [1.0]])}, {"a": 1.0}, mode="rewards",
+                                        **norm)
     assert big.max() == pytest.approx(9.9, rel=1e-3) and big.clamp(-5, 5).max() == 5.0

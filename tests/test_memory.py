@@ -7,7 +7,8 @@ import sys
 import pytest
 import torch
 
-from common import make_trainable, sde_step, select, shifted_sigmas, velocity
+from common import make_trainable, select, shifted_sigmas, velocity
+from flow_grpo import sde_step
 from helpers import ROOT, read_metrics, run_script, tiny_flags
 from tiny import build_flux, build_sd3
 
@@ -16,7 +17,7 @@ def loss_and_grads(kind, *, checkpointing, lora):
     """One PPO-clip loss through common.velocity on a fixed batch; returns the gradients and how often block 0 ran."""
     pipe = build_flux(seed=0) if kind == "flux" else build_sd3(seed=0)
     transformer = pipe.transformer
-    params, _ = make_trainable(transformer, kind, lora_rank=4, lora_alpha=8, full_finetune=not lora, reference=False,
+    params, _ = make_trainable(transformer, kind, lora=(4, 8) if lora else None, reference=False,
                                checkpointing=checkpointing)
     params = list(params.values())
     if lora:  # LoRA B starts at 0: move it so that every adapter has a gradient path
@@ -52,42 +53,37 @@ def rel_diff(a, b):
     return (sum(((a[k] - b[k]) ** 2).sum() for k in a) / sum((a[k] ** 2).sum() for k in a)).sqrt().item()
 
 
-def grads(tmp_path, name, nproc, *flags):
-    out = str(tmp_path / f"{name}.pt")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    launch = [sys.executable] + (["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] * (nproc > 1))
-    proc = subprocess.run(launch + [os.path.join(ROOT, "tests", "dist_grad.py"), out, *flags], capture_output=True, text=True,
-                          env=env, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return torch.load(out)["grads"]
+MODES = ["plain", "checkpointing", "bf16", "lora", "awm", "lora,awm"]
 
 
-def updated(tmp_path, name, nproc, *flags):
-    """The trainable weights before and after one optimizer step (dist_grad.py), by name."""
-    grads(tmp_path, name, nproc, *flags)
-    out = torch.load(str(tmp_path / f"{name}.pt"))
-    return out["before"], out["updated"]
+@pytest.fixture(scope="module")
+def steps(tmp_path_factory):
+    """tests/dist_grad.py's gradients and one optimizer step in every mode, on 1 process (in this one) and on 2
+    (torchrun): {1: {mode: result}, 2: {mode: result}}, each launch doing all the modes."""
+    out = tmp_path_factory.mktemp("dist_grad")
+    run_script("tests/dist_grad.py", [str(out / "one.pt"), *MODES])
+    run_script("tests/dist_grad.py", [str(out / "two.pt"), *MODES], nproc=2)
+    return {n: torch.load(out / f"{name}.pt") for n, name in ((1, "one"), (2, "two"))}
 
 
 @pytest.mark.slow
-def test_fsdp2_gradient_equals_the_full_batch_gradient(tmp_path):
+def test_fsdp2_gradient_equals_the_full_batch_gradient(steps):
     """2 ranks x half the batch, FSDP2 full fine-tuning, PPO + KL: measured 2e-7 relative to one process in float32;
     with the bf16 parameter policy 3.4e-3 relative to one process under bf16 autocast (both bf16 runs differ from
     float32 by ~0.12 here: the tiny model's KL gradient is of the order of bf16 rounding)."""
-    single, sharded = grads(tmp_path, "single", 1), grads(tmp_path, "sharded", 2)
+    single, sharded = steps[1]["plain"]["grads"], steps[2]["plain"]["grads"]
     assert single.keys() == sharded.keys() and rel_diff(single, sharded) < 1e-5
-    assert rel_diff(single, grads(tmp_path, "ckpt", 2, "--checkpointing")) < 1e-5
-    assert rel_diff(grads(tmp_path, "single_bf16", 1, "--bf16"), grads(tmp_path, "sharded_bf16", 2, "--bf16")) < 1e-2
+    assert rel_diff(single, steps[2]["checkpointing"]["grads"]) < 1e-5
+    assert rel_diff(steps[1]["bf16"]["grads"], steps[2]["bf16"]["grads"]) < 1e-2
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", [[], ["--lora"], ["--awm"], ["--lora", "--awm"]],
-                         ids=["fsdp2", "lora-ddp", "awm-fsdp2", "awm-lora-ddp"])
-def test_one_optimizer_step_is_the_same_on_one_and_two_processes(tmp_path, mode):
+@pytest.mark.parametrize("mode", ["plain", "lora", "awm", "lora,awm"], ids=["fsdp2", "lora-ddp", "awm-fsdp2", "awm-lora-ddp"])
+def test_one_optimizer_step_is_the_same_on_one_and_two_processes(steps, mode):
     """The same batch, split over 2 ranks, gives the same weights after common.optimizer_step (gradient averaging,
     norm clipping, AdamW) as one process with all of it: FSDP2 full fine-tuning and DDP-style LoRA; Flow-GRPO's loss and
     AWM's (whose KL-EMA forward swaps a weight set into the FSDP2 shards)."""
-    (start, one), (start2, two) = updated(tmp_path, "one", 1, *mode), updated(tmp_path, "two", 2, *mode)
+    (start, one), (start2, two) = ((steps[n][mode]["before"], steps[n][mode]["updated"]) for n in (1, 2))
     assert one.keys() == two.keys() == start.keys() and len(one) > 0
     assert all(torch.equal(start[k], start2[k]) for k in start)
     moved = [k for k in one if not torch.equal(one[k], start[k])]

@@ -141,7 +141,7 @@ def test_errors_name_the_url(server):
     with pytest.raises(SystemExit) as e:
         deqa_reward(server.url, retries=1)(gray([1.0]), ["p"])
     assert str(e.value) == (f"error: the reward server {server.url} failed after 2 tries (HTTP 500: "
-                            f"ValueError: boom); start it (README: reward server) or pass its URL")
+                            f"ValueError: boom); start it (docs/rewards.md: reward server) or pass its URL")
     assert len(server.requests) == 2
     server.fail_first, server.raw = 0, pickle.dumps({"outputs": [0.5]})
     with pytest.raises(SystemExit) as e:
@@ -157,7 +157,7 @@ def test_errors_name_the_url(server):
     with pytest.raises(SystemExit) as e:
         deqa_reward(url, retries=0)(gray([1.0]), ["p"])
     assert str(e.value) == (f"error: the reward server {url} failed after 1 tries (URLError: [Errno 111] "
-                            f"Connection refused); start it (README: reward server) or pass its URL")
+                            f"Connection refused); start it (docs/rewards.md: reward server) or pass its URL")
 
 
 def test_prompts_carry_their_metadata(tmp_path):
