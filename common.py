@@ -488,6 +488,12 @@ class RewardModels:
     """GenEval: Flow-GRPO's reward server (github.com/yifan123/reward-server, app_geneval)"""
     deqa_url: str = "http://127.0.0.1:18086"
     """DeQA-Score: the same reward server (app_deqa)"""
+    reward_timeout: float = 600.0
+    """reward servers (unifiedreward, geneval, deqa): seconds a batch of images may take, every request and
+    retry included; a server still silent or still sending then stops the run in one line"""
+    reward_retries: int = 3
+    """reward servers: tries after the first when a connection is refused, reset or cut short, 120 s pass
+    without a byte, or the answer is HTTP 5xx / 429 (0.5, 1, 2 s apart)"""
 
 
 SECRETS = ("unifiedreward_api_key",)  # RewardModels fields never written to a log, a checkpoint or the screen
@@ -620,10 +626,15 @@ def load_prompt_set(path: str, *, split: str = "train", rewards=()) -> list[str]
         for n, line in lines:
             try:
                 row = json.loads(line)
-                prompts.append(Prompt(row["prompt"], row))
-            except (json.JSONDecodeError, KeyError, TypeError):
+            except json.JSONDecodeError:
+                row = None
+            if not isinstance(row, dict) or "prompt" not in row:
                 fail(f"line {n} of prompt file {path!r} is not a JSON object with a prompt field; each line "
                      f"of a .jsonl file must be one")
+            if not isinstance(row["prompt"], str) or not row["prompt"].strip():
+                fail(f"line {n} of prompt file {path!r} has the prompt {json.dumps(row['prompt'])[:60]}; a "
+                     f"prompt must be a non-empty string")
+            prompts.append(Prompt(row["prompt"], row))
     if not prompts:
         fail(f"prompt file {path!r} is empty; it needs at least one prompt (one per line)")
     if {"ocr", "geneval"} & set(rewards):
@@ -754,17 +765,43 @@ def check_common_args(args, world: int):
     check_output_path(args.output_dir, flag="--output-dir", directory=True)
 
 
+RENDEZVOUS_TIMEOUT = 300  # seconds a torchrun rank waits for the others; $RENDEZVOUS_TIMEOUT overrides
+
+
 def setup_distributed():
-    """torchrun-aware setup: NCCL on CUDA, gloo on CPU. Returns (rank, world_size, device)."""
+    """torchrun-aware setup: NCCL on CUDA, gloo on CPU. Returns (rank, world_size, device). A torchrun
+    environment that cannot form a group (a WORLD_SIZE without RANK / MASTER_ADDR / MASTER_PORT, e.g. left in
+    a shell; bad values; no peer within RENDEZVOUS_TIMEOUT s) stops in one line."""
     from datetime import timedelta
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    env = {k: os.environ.get(k) for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    numbers = {k: int(v) if v is not None and v.strip().isdigit() else v for k, v in env.items()}
+    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_PORT"):
+        if numbers[k] is not None and not isinstance(numbers[k], int):
+            fail(f"{k}={env[k]!r} in the environment is not a number; launch with torchrun, or unset it")
+    world = numbers["WORLD_SIZE"] if numbers["WORLD_SIZE"] is not None else 1
+    local_rank = numbers["LOCAL_RANK"] or 0
     device = torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
     if world > 1 and not dist.is_initialized():
+        missing = [k for k in ("RANK", "MASTER_ADDR", "MASTER_PORT") if env[k] is None]
+        if missing:
+            fail(f"WORLD_SIZE={world} is set but {', '.join(missing)} not (left in the shell by a torchrun "
+                 f"run?); launch with torchrun, or unset WORLD_SIZE for one process")
+        if not numbers["RANK"] < world or world < 1:
+            fail(f"RANK={numbers['RANK']} is not below WORLD_SIZE={world}; launch with torchrun")
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        # an hour: a 12B-parameter checkpoint can take minutes to write while the other ranks wait
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(hours=1))
+        wait = float(os.environ.get("RENDEZVOUS_TIMEOUT", RENDEZVOUS_TIMEOUT))
+        try:  # the rendezvous first, bounded: the other ranks must join within `wait` seconds
+            store, rank, _ = next(dist.rendezvous("env://", timeout=timedelta(seconds=wait)))
+        except (RuntimeError, ValueError, OSError) as e:
+            first = (str(e).strip().splitlines() or [""])[0][:120]
+            fail(f"rank {env['RANK']} of WORLD_SIZE={world} found no group at {env['MASTER_ADDR']}:"
+                 f"{env['MASTER_PORT']} within {wait:.0f} s ({type(e).__name__}: {first}); start every rank "
+                 f"(torchrun), unset WORLD_SIZE for one process, or raise $RENDEZVOUS_TIMEOUT")
+        # then an hour for collectives: a 12B-parameter checkpoint can take minutes while the others wait
+        store.set_timeout(timedelta(hours=1))
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=rank,
+                                world_size=world, timeout=timedelta(hours=1))
     return (dist.get_rank() if world > 1 else 0), world, device
 
 

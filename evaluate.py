@@ -44,7 +44,7 @@ from common import (ARG_RANGES, MODEL_ALIASES, RewardModels, broadcast_object, c
                     check_ranges, check_rewards, close_distributed, decode, encode_prompts, fail, gather_cat,
                     latent_shape, load_pipeline, load_prompt_set, load_rewards, loggable, ode_complete,
                     parse_args, pipeline_sigmas, score, setup_distributed)
-from rundir import decimals, latest_checkpoint, paired_change
+from rundir import decimals, latest_checkpoint, paired_change, write_atomically
 
 
 @dataclass
@@ -162,6 +162,48 @@ def check_safetensors(given: str, weights: str):
         if header is None or size != 8 + n + end:
             fail(f"--checkpoints {given!r}: {path} is cut short or no safetensors file ({size:,} bytes); "
                  f"export or copy it again")
+
+
+def tensor_shapes(weights: str) -> dict:
+    """{name: shape} of every tensor in a weights directory's .safetensors files, from their headers."""
+    shapes = {}
+    for name in sorted(f for f in os.listdir(weights) if f.endswith(".safetensors")):
+        with open(os.path.join(weights, name), "rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        shapes.update({k: tuple(t["shape"]) for k, t in header.items() if k != "__metadata__"})
+    return shapes
+
+
+def check_fits(entry: dict, transformer, model: str):
+    """A LoRA or transformer export must fit the loaded base `transformer` (checked after it loads, before
+    anything is scored): every LoRA pair on a linear layer of its size, a transformer's tensors all present
+    with the base's shapes. Else one line naming the first misfit."""
+    given, shapes = entry["name"], tensor_shapes(entry["path"])
+    misfit = None
+    if entry["weights"] == "transformer":
+        base = {k: tuple(v.shape) for k, v in transformer.state_dict().items()}
+        missing, extra = sorted(base.keys() - shapes.keys()), sorted(shapes.keys() - base.keys())
+        wrong = [k for k in sorted(base.keys() & shapes.keys()) if base[k] != shapes[k]]
+        misfit = (f"{wrong[0]} is {list(shapes[wrong[0]])}, the model's {list(base[wrong[0]])}" if wrong else
+                  f"it lacks {missing[0]} ({len(missing)} tensors)" if missing else
+                  f"the model has no {extra[0]} ({len(extra)} tensors)" if extra else None)
+    for key, shape in shapes.items() if entry["weights"] == "lora" else ():
+        module_name, _, part = key.removeprefix("transformer.").rpartition(".lora_")
+        if not key.startswith("transformer.") or part not in ("A.weight", "B.weight"):
+            continue  # another component's adapter, or a format diffusers converts
+        try:
+            module = transformer.get_submodule(module_name)
+        except AttributeError:
+            misfit = f"the model has no layer {module_name}"
+            break
+        size = getattr(module, "in_features" if part == "A.weight" else "out_features", None)
+        if size != shape[1 if part == "A.weight" else 0]:
+            what = "inputs" if part == "A.weight" else "outputs"
+            misfit = f"{key} is {list(shape)}, for a layer of {size} {what}"
+            break
+    if misfit:
+        fail(f"--checkpoints {given!r} does not fit --model {model!r}: {misfit}; evaluate it with the model "
+             f"it was trained from")
 
 
 def resolve_checkpoint(given: str, model: str) -> dict:
@@ -290,6 +332,9 @@ if __name__ == "__main__":
     rewards = load_rewards(args.metrics, device, models=args.reward_models, dtype=torch.float32)
     pipe, kind = load_pipeline(args.model, device, dtype=compute_dtype)
     base = pipe.transformer
+    for entry in entries:  # before anything is scored
+        if entry["weights"] != "base":
+            check_fits(entry, base, args.model)
     C, H, W = latent_shape(pipe, kind, args.resolution)
     sigmas = pipeline_sigmas(pipe, kind, num_steps=args.steps, image_tokens=H * W // 4)
 
@@ -336,11 +381,9 @@ if __name__ == "__main__":
         settings.update(kind=kind, world=world, num_pairs=len(pairs), pair_prompts=[p for p, _ in pairs],
                         pair_noise_seeds=[s for _, s in pairs])
         os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "scores.json"), "w") as f:
-            json.dump({"settings": settings,
-                       "entries": [{**e, "scores": {k: v.tolist() for k, v in s.items()}}
-                                   for e, s in zip(entries, all_scores)]}, f, indent=1)
-        with open(os.path.join(args.out, "table.md"), "w") as f:
-            f.write(report)
+        scored = [{**e, "scores": {k: v.tolist() for k, v in s.items()}} for e, s in zip(entries, all_scores)]
+        write_atomically(os.path.join(args.out, "scores.json"),
+                         json.dumps({"settings": settings, "entries": scored}, indent=1))
+        write_atomically(os.path.join(args.out, "table.md"), report)
         print("\n" + report + f"\nscores.json and table.md in {os.path.abspath(args.out)}")
     close_distributed()

@@ -8,7 +8,6 @@ imports this module only when one of them is asked for; where their weights come
 The towers run in the given dtype (bf16 on GPUs), every projection, logit scale and head in float32."""
 import io
 import json
-import math
 import os
 import pickle
 
@@ -96,13 +95,15 @@ def load(name: str, device, *, models, dtype=torch.float32):
         return aesthetic_reward(models.aesthetic_head, models.aesthetic_clip, device, dtype=dtype)
     if name == "unifiedreward":
         key = models.unifiedreward_api_key or os.environ.get("UNIFIEDREWARD_API_KEY")
-        return unifiedreward_reward(models.unifiedreward_url, model=models.unifiedreward_model, api_key=key)
+        return unifiedreward_reward(models.unifiedreward_url, model=models.unifiedreward_model, api_key=key,
+                                    deadline=models.reward_timeout, retries=models.reward_retries)
     if name == "ocr":
         return ocr_reward()
     if name == "geneval":
-        return geneval_reward(models.geneval_url)
+        return geneval_reward(models.geneval_url, deadline=models.reward_timeout,
+                              retries=models.reward_retries)
     if name == "deqa":
-        return deqa_reward(models.deqa_url)
+        return deqa_reward(models.deqa_url, deadline=models.reward_timeout, retries=models.reward_retries)
     fail(f"{name!r} is not a reward model of rewards.py")
 
 
@@ -362,26 +363,24 @@ UNIFIEDREWARD_QUESTION = (
 
 
 def unifiedreward_reward(url: str, *, model: str, api_key: str | None = None, scale: float = 5.0,
-                         workers: int = 8, timeout: float = 120, retries: int = 3):
+                         workers: int = 8, deadline: float = 600, retries: int = 3):
     """UnifiedReward from a server with the OpenAI chat-completions API (sglang, vLLM): one request per image
-    (its 512 x 512 PNG as a data URL, then UNIFIEDREWARD_QUESTION), temperature 0, `workers` at a time, each
-    retried `retries` times after connection errors, timeouts and 5xx; the first 'Final Score: x' (1-5) of the
-    answer / `scale` (5: Flow-GRPO's reward; 1: the papers' 1-5). `api_key` goes as 'Authorization: Bearer'
-    (a server started with --api-key). A server that cannot be reached, a refused key or an answer without a
-    score stops the run with a one-line error (never a silent 0)."""
+    (its 512 x 512 PNG as a data URL, then UNIFIEDREWARD_QUESTION), temperature 0, `workers` at a time (post:
+    retries, and `deadline` seconds for a batch's requests); the first 'Final Score: x' of the answer, read as
+    written and within the question's 1-5, / `scale` (5: Flow-GRPO's reward; 1: the papers' 1-5). `api_key`
+    goes as 'Authorization: Bearer' (a server started with --api-key). A server that cannot be reached, a
+    refused key or an answer without a score in 1-5 stops the run with a one-line error (never a silent 0)."""
     import base64
     import concurrent.futures
     import re
     import time
-    import urllib.error
-    import urllib.request
 
     from PIL import Image
 
     endpoint = url.rstrip("/").removesuffix("/v1") + "/v1/chat/completions"
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # a local or in-cluster server
+    what = f"the UnifiedReward server {endpoint}"
 
-    def ask(pixels, prompt: str) -> str:
+    def ask(pixels, prompt: str, until: float) -> str:
         buf = io.BytesIO()
         Image.fromarray(pixels).resize((512, 512), Image.BICUBIC).save(buf, format="PNG")
         data = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
@@ -391,36 +390,36 @@ def unifiedreward_reward(url: str, *, model: str, api_key: str | None = None, sc
         headers = {"Content-Type": "application/json"}
         if api_key:
             headers["Authorization"] = f"Bearer {api_key}"
-        request = urllib.request.Request(endpoint, json.dumps(body).encode(), headers)
-        for attempt in range(retries + 1):
-            time.sleep(0.5 * (2**attempt - 1))  # 0, 0.5, 1.5, 3.5 s
-            try:
-                with opener.open(request, timeout=timeout) as response:
-                    return json.loads(response.read())["choices"][0]["message"]["content"] or ""
-            except urllib.error.HTTPError as e:
-                if e.code in (401, 403):
-                    why = "refused the API key" if api_key else "needs an API key and none was given"
-                    fail(f"the UnifiedReward server {endpoint} {why} (HTTP {e.code}); pass the key it was "
-                         f"started with (--api-key) as --unifiedreward-api-key or $UNIFIEDREWARD_API_KEY")
-                error = f"HTTP {e.code}"
-                if e.code < 500:  # a bad request stays bad
-                    break
-            except (OSError, ValueError, KeyError, IndexError) as e:
-                error = f"{type(e).__name__}: {str(getattr(e, 'reason', e))[:120]}"
-        fail(f"the UnifiedReward server {endpoint} failed after {attempt + 1} tries ({error}); start it or "
-             f"pass --unifiedreward-url")
+        why = "refused the API key" if api_key else "needs an API key and none was given"
+        advice = ("pass the key it was started with (--api-key) as --unifiedreward-api-key or "
+                  "$UNIFIEDREWARD_API_KEY")
+        refused = {401: (why, advice), 403: (why, advice)}
+        answer = post(endpoint, json.dumps(body).encode(), headers, until=until, retries=retries, what=what,
+                      refused=refused, hint="start it or pass --unifiedreward-url")
+        try:
+            text = json.loads(answer)["choices"][0]["message"]["content"]
+        except (ValueError, KeyError, IndexError, TypeError):
+            text = None
+        if not isinstance(text, str):
+            fail(f"{what} answered without choices[0].message.content ({answer[:120]!r})")
+        return text
 
     def score(images, prompts):
         pixels = uint8_pixels(images)
+        until = time.monotonic() + deadline
         with concurrent.futures.ThreadPoolExecutor(max(1, min(workers, len(prompts)))) as pool:
-            answers = list(pool.map(ask, pixels, prompts))
+            answers = list(pool.map(ask, pixels, prompts, [until] * len(prompts)))
         scores = []
         for answer in answers:
-            match = re.search(r"Final Score:\s*([1-5](?:\.\d+)?)", answer)
+            match = re.search(r"Final Score:\s*([-+]?\d+(?:\.\d+)?)", answer)
             if match is None:
                 fail(f"the UnifiedReward answer from {endpoint} has no 'Final Score: <1-5>': "
                      f"{answer[:200]!r}")
-            scores.append(float(match.group(1)) / scale)
+            value = float(match.group(1))
+            if not 1 <= value <= 5:
+                fail(f"{what} answered 'Final Score: {match.group(1)}', outside the question's scale of 1 "
+                     f"to 5 (in {answer[:120]!r})")
+            scores.append(value / scale)
         return torch.tensor(scores)
 
     return score
@@ -593,47 +592,98 @@ def jpeg_batches(images, size: int = 64):
     return jpegs, torch.arange(len(jpegs)).tensor_split(-(-len(jpegs) // size))
 
 
-def server_post(url: str, payload: dict, *, timeout: float = 120, retries: int = 3) -> dict:
-    """POST pickle.dumps(payload) to a reward server; its answer as plain data. Connection errors, timeouts
-    and HTTP 5xx (the server's error answer) are retried `retries` times, then one line naming `url`."""
+TRANSIENT = (500, 502, 503, 504, 429)  # HTTP answers that a later try may not get (the rest stay as they are)
+
+
+def post(url: str, body: bytes, headers: dict, *, until: float, retries: int, what: str, refused=None,
+         hint: str = "start it (docs/rewards.md: reward servers) or pass its URL") -> bytes:
+    """POST `body` to `url` and return the whole answer, or stop with one line naming `what` (the server)
+    and what it did. Every try ends by `until` (time.monotonic()): a server that stalls or sends a byte at a
+    time cannot hold a run longer (each try runs in a watchdog thread). A refused connection, a reset or a
+    connection dropped mid-answer, 120 s without a byte and HTTP 5xx / 429 are retried `retries` times, 0.5,
+    1, 2 ... s apart; `refused` {HTTP code: (why, what to do)} stops at once."""
+    import http.client
+    import threading
     import time
     import urllib.error
     import urllib.request
 
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # a local or in-cluster server
-    request = urllib.request.Request(url, pickle.dumps(payload), {"Content-Type": "application/octet-stream"})
-    for attempt in range(retries + 1):
-        time.sleep(0.5 * (2**attempt - 1))  # 0, 0.5, 1.5, 3.5 s
+    request = urllib.request.Request(url, body, headers)
+
+    def attempt(box: dict):
         try:
-            with opener.open(request, timeout=timeout) as response:
-                return plain_loads(response.read(), url)
-        except urllib.error.HTTPError as e:
+            with opener.open(request, timeout=max(0.1, min(120.0, until - time.monotonic()))) as response:
+                box["answer"] = response.read()
+        except BaseException as e:  # handed to the caller's thread
+            box["error"] = e
+
+    error, tries = "no answer", 0
+    for tries in range(1, retries + 2):
+        box = {}
+        thread = threading.Thread(target=attempt, args=(box,), daemon=True)  # abandoned if it overruns
+        thread.start()
+        thread.join(max(0.0, until - time.monotonic()))
+        if thread.is_alive():
+            error = f"no whole answer within the deadline (--reward-timeout); {error} before" if tries > 1 \
+                else "no whole answer within the deadline (--reward-timeout)"
+            break
+        if "answer" in box:
+            return box["answer"]
+        e = box["error"]
+        if isinstance(e, urllib.error.HTTPError):
             last = (e.read().decode("utf-8", "replace").strip().splitlines() or [""])[-1]  # the exception
             error = f"HTTP {e.code}" + (f": {last[:120]}" if last else "")
-            if e.code < 500:  # a bad request stays bad
+            if refused and e.code in refused:
+                fail(f"{what} {refused[e.code][0]} (HTTP {e.code}); {refused[e.code][1]}")
+            if e.code not in TRANSIENT:  # a bad request stays bad
                 break
-        except OSError as e:
+        elif isinstance(e, (OSError, http.client.HTTPException)):  # refused, reset, cut short, timed out
             error = f"{type(e).__name__}: {str(getattr(e, 'reason', e))[:120]}"
-    fail(f"the reward server {url} failed after {attempt + 1} tries ({error}); start it (docs/rewards.md: "
-         f"reward server) or pass its URL")
+        else:
+            raise e
+        pause = 0.5 * 2 ** (tries - 1)
+        if tries <= retries and time.monotonic() + pause >= until:
+            error += "; no time left for another try (--reward-timeout)"
+            break
+        time.sleep(pause if tries <= retries else 0)
+    fail(f"{what} failed after {tries} {'try' if tries == 1 else 'tries'} ({error}); {hint}")
 
 
-def numbers(answer, key: str, n: int, url: str) -> list:
-    """answer[key] as n finite numbers, else a one-line error naming `url`."""
+def server_post(url: str, payload: dict, *, until: float, retries: int = 3) -> dict:
+    """POST pickle.dumps(payload) to a reward server (post: retries, a deadline); its answer as plain data."""
+    answer = post(url, pickle.dumps(payload), {"Content-Type": "application/octet-stream"}, until=until,
+                  retries=retries, what=f"the reward server {url}")
+    return plain_loads(answer, url)
+
+
+def numbers(answer, key: str, n: int, url: str, *, low: float, high: float) -> list:
+    """answer[key] as n finite numbers in [low, high], else a one-line error naming `url`, the field and the
+    value."""
     values = answer.get(key) if isinstance(answer, dict) else None
-    if not isinstance(values, (list, tuple)) or len(values) != n or not all(
-            isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in values):
+    if not isinstance(values, (list, tuple)) or len(values) != n:
         fail(f"the reward server {url} answered without {n} numbers in {key!r} "
              f"(got {str(values if values is not None else answer)[:80]})")
-    return list(values)
+    for i, v in enumerate(values):
+        try:
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and low <= float(v) <= high
+        except OverflowError:  # an int beyond any float (NaN fails the comparison)
+            ok = False
+        if not ok:
+            shown = f"an integer of {v.bit_length()} bits" if isinstance(v, int) and ok is False and \
+                abs(v) > 10**30 else repr(v)[:40]
+            fail(f"the reward server {url} answered {key}[{i}] = {shown}, not a number in [{low}, {high}]")
+    return [float(v) for v in values]
 
 
-def geneval_reward(url: str, *, timeout: float = 120, retries: int = 3):
+def geneval_reward(url: str, *, deadline: float = 600, retries: int = 3):
     """GenEval from the reward server (Flow-GRPO's rewards.py geneval_score): per batch of <= 64 images their
     JPEG bytes and the prompts' metadata with only_strict (True in training: the server skips the original
     GenEval check). In training the reward is the server's partial `score`; called with evaluation=True
     (common.score in evaluations) also the original GenEval `accuracy` and `strict_accuracy` per image, and
-    .breakdown gives them per tag."""
+    .breakdown gives them per tag. Every value is checked to be in [0, 1]; `deadline` seconds for a batch's
+    requests (post)."""
+    import time
 
     def score(images, prompts, evaluation: bool = False):
         metadata = [getattr(p, "metadata", None) for p in prompts]
@@ -641,15 +691,16 @@ def geneval_reward(url: str, *, timeout: float = 120, retries: int = 3):
             fail(f"the geneval reward needs prompts with GenEval metadata (a .jsonl file): "
                  f"{str(prompts[0])[:60]!r}")
         jpegs, batches = jpeg_batches(images)
+        until = time.monotonic() + deadline
         out = {"geneval": [], "geneval_accuracy": [], "geneval_strict_accuracy": []}
         for batch in batches:
             idx = batch.tolist()
             body = {"images": [jpegs[i] for i in idx], "meta_datas": [metadata[i] for i in idx],
                     "only_strict": not evaluation}
-            answer = server_post(url, body, timeout=timeout, retries=retries)
+            answer = server_post(url, body, until=until, retries=retries)
             for name, key in (("geneval", "scores"), ("geneval_accuracy", "rewards"),
                               ("geneval_strict_accuracy", "strict_rewards")):
-                out[name] += numbers(answer, key, len(idx), url)
+                out[name] += numbers(answer, key, len(idx), url, low=0.0, high=1.0)
         out = {k: torch.tensor(v, dtype=torch.float32) for k, v in out.items()}
         return out if evaluation else out["geneval"]
 
@@ -670,17 +721,21 @@ def geneval_reward(url: str, *, timeout: float = 120, retries: int = 3):
     return score
 
 
-def deqa_reward(url: str, *, timeout: float = 120, retries: int = 3):
+def deqa_reward(url: str, *, deadline: float = 600, retries: int = 3):
     """DeQA-Score from the reward server (Flow-GRPO's rewards.py deqa_score_remote): per batch of <= 64 images
-    their JPEG bytes; the server's `outputs`, DeQA-Score-Mix3's 1-5 score / 5. Prompts are not used."""
+    their JPEG bytes; the server's `outputs`, DeQA-Score-Mix3's 1-5 score / 5 (reward-server
+    reward_server/deqa.py: `score / 5`), so each is checked to be in [0.2, 1] (+- 0.001: its float16).
+    Prompts are not used; `deadline` seconds for a batch's requests (post)."""
+    import time
 
     def score(images, prompts):
         jpegs, batches = jpeg_batches(images)
+        until = time.monotonic() + deadline
         out = []
         for batch in batches:
             idx = batch.tolist()
-            answer = server_post(url, {"images": [jpegs[i] for i in idx]}, timeout=timeout, retries=retries)
-            out += numbers(answer, "outputs", len(idx), url)
+            answer = server_post(url, {"images": [jpegs[i] for i in idx]}, until=until, retries=retries)
+            out += numbers(answer, "outputs", len(idx), url, low=0.199, high=1.001)
         return torch.tensor(out, dtype=torch.float32)
 
     return score

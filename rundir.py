@@ -14,6 +14,7 @@ Only the algorithm files, evaluate.py and the scripts import it; it imports comm
 """
 import contextlib
 import dataclasses
+import io
 import json
 import math
 import os
@@ -63,7 +64,8 @@ def start_run(args, *, script: str, check_args, planned_nfe, reference: bool, co
     train_prompts = load_prompt_set(args.prompts, split="train", rewards=args.rewards)
     eval_prompts = load_prompt_set(args.eval_prompts, split="test", rewards=args.rewards + args.eval_rewards)
     run_dir = run_directory(args, checkpoint=ckpt)
-    writer = make_writer(run_dir, args, resume_iteration=start if ckpt else None) if rank == 0 else None
+    with stop_on_write_error(run_dir):
+        writer = make_writer(run_dir, args, resume_iteration=start if ckpt else None) if rank == 0 else None
     seed_everything(args.seed, deterministic=args.torch_deterministic)
     warn_if_the_cpu_is_shared(device)
     use_bf16 = args.mixed_precision == "bf16" and device.type == "cuda"
@@ -205,8 +207,9 @@ class Run:
                     scores.update(fn.breakdown(scores, every))
             if self.rank == 0:
                 means = {f"eval/{k}": v.mean() for k, v in scores.items()}
-                log_metrics(self.writer, self.run_dir, iteration, means, per_sample=scores)
-                save_eval_grid(self.run_dir, iteration, images, prompts, local)
+                with stop_on_write_error(self.run_dir):
+                    log_metrics(self.writer, self.run_dir, iteration, means, per_sample=scores)
+                    save_eval_grid(self.run_dir, iteration, images, prompts, local)
         return iteration, self.reward(scores).item()
 
     def reward(self, scores: dict):
@@ -232,7 +235,8 @@ class Run:
 
     def log(self, iteration: int, metrics: dict):
         if self.rank == 0:
-            log_metrics(self.writer, self.run_dir, iteration, metrics)
+            with stop_on_write_error(self.run_dir):
+                log_metrics(self.writer, self.run_dir, iteration, metrics)
 
     def end_iteration(self, iteration: int, stats: "Stats", *, scores: dict, metrics: dict | None = None,
                       samples: tuple | None = None):
@@ -271,14 +275,15 @@ class Run:
             images, prompt, sample_scores = samples
             captions = [f"{prompt[:40]}\n" + " ".join(f"{k}={v[i]:.3f}" for k, v in sample_scores.items())
                         for i in range(len(images))]
-            self.writer.add_figure("samples", image_grid(images.cpu(), captions), done)
+            with stop_on_write_error(self.run_dir):
+                self.writer.add_figure("samples", image_grid(images.cpu(), captions), done)
         if (args.save_every and done % args.save_every == 0) or last:
             self.save(done)
 
     def save(self, iteration: int):
         """A checkpoint after `iteration` iterations (save_state); the oldest beyond --keep-checkpoints go."""
         path = os.path.join(self.run_dir, "checkpoints", f"iter_{iteration}")
-        with self.paused():
+        with self.paused(), stop_on_write_error(self.run_dir, unfinished=path + ".tmp"):
             say(f"saving {path}")
             save_state(path, iteration=iteration, run=self, keep=self.args.keep_checkpoints)
 
@@ -287,7 +292,9 @@ class Run:
         if self.rank == 0:
             if self.pbar is not None:
                 self.pbar.close()
-            self.writer.close()
+            with stop_on_write_error(self.run_dir):
+                self.writer.close()
+            release_run_directories()
             if summary:
                 print(run_summary(self.run_dir, args=self.args, kind=self.kind, weights=self.weights,
                                   seconds=time.time() - self.t0))
@@ -323,28 +330,119 @@ class Stats:
 
 
 # ======== 1. The run directory and its logs ========
+HELD = {}  # {run directory: the open run.lock by which this process holds it}
+
+
 def run_directory(args, *, checkpoint: str | None) -> str:
-    """The resumed checkpoint's run, or <output_dir>/<model>__<exp_name>__<seed>__<time> (made by rank 0)."""
-    import time
-    if checkpoint:
-        return os.path.dirname(os.path.dirname(checkpoint))
-    model_name = os.path.basename(args.model.rstrip("/"))
-    run_name = f"{model_name}__{args.exp_name}__{args.seed}__{int(time.time())}"
-    run_dir = broadcast_object(os.path.join(args.output_dir, run_name))
+    """The resumed checkpoint's run, or a new <output_dir>/<model>__<exp_name>__<seed>__<time>[_<k>] (made by
+    rank 0 with os.mkdir, which only one process can win: runs started in the same second get distinct
+    directories); rank 0 holds it for the run's life (hold_run_directory), or every rank stops in one line."""
+    run_dir, problem = None, None
     if is_main_rank():
-        os.makedirs(run_dir, exist_ok=True)
+        with stop_on_write_error(args.output_dir):
+            if checkpoint:
+                run_dir = os.path.dirname(os.path.dirname(checkpoint))
+            else:
+                model = os.path.basename(args.model.rstrip("/"))
+                name = f"{model}__{args.exp_name}__{args.seed}__{int(time.time())}"
+                run_dir = new_directory(os.path.join(args.output_dir, name))
+            problem = hold_run_directory(run_dir)
+    run_dir, problem = broadcast_object((run_dir, problem))
+    if problem:
+        fail(problem)
     return run_dir
+
+
+def new_directory(path: str) -> str:
+    """A directory made by this process: `path`, else path_2, path_3, ... (os.mkdir fails if one exists)."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    for k in range(1, 10**4):
+        try:
+            os.mkdir(path if k == 1 else f"{path}_{k}")
+            return path if k == 1 else f"{path}_{k}"
+        except FileExistsError:
+            continue
+    fail(f"{path!r} and 10,000 of its numbered variants exist; pass another --output-dir")
+
+
+def hold_run_directory(run_dir: str) -> str | None:
+    """An exclusive lock on <run_dir>/run.lock (fcntl.flock: the OS drops it when the process ends, kill -9
+    included; released by release_run_directories), naming this process in the file. Returns None, or why it
+    cannot be had: the holder. Holding it, what a killed run left half-written (*.tmp) goes."""
+    import fcntl
+    import socket
+    f = open(os.path.join(run_dir, "run.lock"), "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:  # held: its holder wrote itself in
+        f.seek(0)
+        holder = f.read().strip() or "another process"
+        f.close()
+        return (f"run directory {run_dir!r} is in use by {holder}; wait until that run ends or stop it (two "
+                f"runs in one directory would mix their logs and checkpoints)")
+    f.seek(0)
+    f.truncate()
+    f.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')} "
+            f"({' '.join([os.path.basename(sys.argv[0]), *sys.argv[1:]])[:200]})\n")
+    f.flush()
+    HELD[run_dir] = f
+    for d in (run_dir, os.path.join(run_dir, "checkpoints"), os.path.join(run_dir, "samples")):
+        for name in os.listdir(d) if os.path.isdir(d) else []:
+            if ".tmp" in name:  # a killed run's unfinished write
+                left = os.path.join(d, name)
+                shutil.rmtree(left) if os.path.isdir(left) else os.remove(left)
+    return None
+
+
+def release_run_directories():
+    """This process's run directory locks released (the end of a run; a process's end releases them too)."""
+    while HELD:
+        HELD.popitem()[1].close()
+
+
+def write_atomically(path: str, data: str | bytes):
+    """`path` replaced whole: a temporary file written, flushed to disk (fsync), renamed over it. A kill at
+    any moment leaves the old content or the new, never a part or an empty file."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        with open(tmp, "wb" if isinstance(data, bytes) else "w") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+
+
+@contextlib.contextmanager
+def stop_on_write_error(run_dir: str, *, unfinished: str | None = None):
+    """An OSError while writing (a read-only file system, a full disk) as a one-line error naming the path and
+    the checkpoint that still resumes; `unfinished` (a checkpoint's .tmp) removed first."""
+    try:
+        yield
+    except Exception as e:
+        said = ("No space left", "Read-only file system")  # safetensors' writer says it in words
+        if not (isinstance(e, OSError) or any(s in str(e) for s in said)):
+            raise
+        if unfinished:
+            shutil.rmtree(unfinished, ignore_errors=True)
+        ckpt = latest_checkpoint(run_dir) if os.path.isdir(run_dir) else None
+        then = f"; its last complete checkpoint resumes: --resume {run_dir}" if ckpt else ""
+        where = getattr(e, "filename", None) or unfinished or run_dir
+        why = getattr(e, "strerror", None) or str(e).strip().splitlines()[0][:120]
+        fail(f"cannot write {where!r} ({why}): the run stops here{then}")
 
 
 def make_writer(run_dir: str, args, *, resume_iteration: int | None = None):
     """Rank 0's TensorBoard writer (wandb syncs it with --track), the arguments as text; resuming after N
-    drops what the killed run logged after N (metrics.jsonl rows, eval_<i>.*, TensorBoard events)."""
+    drops what the killed run logged after N (metrics.jsonl rows, rewritten atomically, eval_<i>.*,
+    TensorBoard events)."""
     from torch.utils.tensorboard import SummaryWriter
     metrics = os.path.join(run_dir, "metrics.jsonl")
     if resume_iteration is not None and os.path.isfile(metrics):
         rows = [r for r in read_jsonl(metrics) if r["iteration"] <= resume_iteration]
-        with open(metrics, "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in rows)
+        write_atomically(metrics, "".join(json.dumps(r) + "\n" for r in rows))
         for d in (run_dir, os.path.join(run_dir, "samples")):
             for name in os.listdir(d) if os.path.isdir(d) else []:
                 if name.startswith("eval_") and (iteration_of(name) or 0) > resume_iteration:
@@ -375,11 +473,11 @@ def log_metrics(writer, run_dir: str, step: int, metrics: dict, per_sample: dict
     pair's reward, for paired comparisons) to <run_dir>/eval_<step>.json."""
     for k, v in metrics.items():
         writer.add_scalar(k, v, step)
-    with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
+    with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:  # a kill leaves at most a half line
         f.write(json.dumps({"iteration": step, **{k: float(v) for k, v in metrics.items()}}) + "\n")
     if per_sample is not None:
-        with open(os.path.join(run_dir, f"eval_{step}.json"), "w") as f:
-            json.dump({k: v.tolist() for k, v in per_sample.items()}, f)
+        write_atomically(os.path.join(run_dir, f"eval_{step}.json"),
+                         json.dumps({k: v.tolist() for k, v in per_sample.items()}))
 
 
 # ======== 2. Checkpoints: atomic saves, exports, resuming ========
@@ -430,6 +528,10 @@ def resume_checkpoint(path: str, *, args, world: int, script: str) -> tuple[str,
         how = "sharded" if saved["sharded"] else "unsharded"
         fail(f"checkpoint {ckpt!r} was saved by {saved['world']} process(es) ({how}); resume it with that "
              f"world size, not {world}")
+    if args.num_iterations <= saved["iteration"]:
+        fail(f"--num-iterations {args.num_iterations} is not beyond checkpoint {ckpt!r} (iteration "
+             f"{saved['iteration']}); pass the total number of iterations to reach, more than "
+             f"{saved['iteration']}")
     changed = [f"{k} {saved['args'].get(k)} -> {v}" for k, v in now.items()
                if k != "resume" and saved["args"].get(k) != v]
     if changed and is_main_rank():
@@ -482,7 +584,8 @@ def save_state(path: str, *, iteration: int, run: Run, keep: int = 0):
                  "optimizer": optimizer.state_dict(),
                  "ema": dict(zip(params, (e.cpu() for e in ema))) if ema else None,
                  "extra": {k: dict(zip(params, (t.cpu() for t in v))) for k, v in (extra or {}).items()}}
-        torch.save(state, os.path.join(tmp, "state.pt"))
+        with open(os.path.join(tmp, "state.pt"), "wb") as f:  # a full disk: OSError (a path: RuntimeError)
+            torch.save(state, f)
         with swapped_in(list(params.values()), ema):
             if args.full_finetune:
                 transformer.save_config(export)
@@ -501,6 +604,10 @@ def save_state(path: str, *, iteration: int, run: Run, keep: int = 0):
                "sharded": sharded, "args": loggable(args)}
         with open(os.path.join(tmp, "run.json"), "w") as f:
             json.dump(run, f, indent=1)
+        for folder, _, files in os.walk(tmp):  # on the disk before the rename makes the checkpoint count
+            for name in files:
+                with open(os.path.join(folder, name), "rb+") as f:
+                    os.fsync(f.fileno())
         shutil.rmtree(path, ignore_errors=True)
         os.replace(tmp, path)
         root = os.path.dirname(path)
@@ -563,7 +670,9 @@ def image_grid(images, captions, ncols: int = 6, path: str | None = None, title:
     fig.suptitle(title, fontsize=9)
     if path:
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        fig.savefig(path, dpi=100)
+        buf = io.BytesIO()
+        fig.savefig(buf, dpi=100, format=os.path.splitext(path)[1][1:])
+        write_atomically(path, buf.getvalue())
         plt.close(fig)
     return fig
 
@@ -651,10 +760,8 @@ def psi_path(args, run_dir: str) -> str:
 
 def save_psi(path: str, *, psi: list, iteration: int, history: list):
     """psi(t) after `iteration` calibration iterations (--calibrate), with psi after each one before it."""
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump({"psi": psi, "num_steps": len(psi), "iteration": iteration, "history": history}, f)
-    os.replace(tmp, path)  # a stopped run never leaves half a file for --psi
+    write_atomically(path, json.dumps({"psi": psi, "num_steps": len(psi), "iteration": iteration,
+                                       "history": history}))  # a stopped run never leaves half a file
 
 
 def load_psi(path: str, num_steps: int) -> list[float]:

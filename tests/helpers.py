@@ -87,6 +87,7 @@ def run_here(script, args):
                 traceback.print_exc()
                 code = 1
     finally:
+        release_run_directories()
         sys.argv = argv
         os.chdir(cwd)
         torch.set_num_threads(threads)
@@ -125,5 +126,14 @@ def run_in_process(script, args, monkeypatch, wrap=None):
     hooks = "".join(f"{name} = __wrap__[{name!r}]({name})\n" for name in wrap or {})
     monkeypatch.setattr(sys, "argv", [script] + [str(a) for a in args])
     torch.set_num_threads(1)
-    exec(compile(source.replace(marker, hooks + marker), path, "exec"),
-         {"__name__": "__main__", "__file__": path, "__wrap__": wrap or {}})
+    try:
+        exec(compile(source.replace(marker, hooks + marker), path, "exec"),
+             {"__name__": "__main__", "__file__": path, "__wrap__": wrap or {}})
+    finally:
+        release_run_directories()
+
+
+def release_run_directories():
+    """The run directory locks a run in this process left held (a run that stopped before its end)."""
+    if "rundir" in sys.modules:
+        sys.modules["rundir"].release_run_directories()

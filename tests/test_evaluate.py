@@ -4,12 +4,14 @@ import dataclasses
 import json
 import os
 import re
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
 import pytest
 import torch
 
+import common
 import evaluate
 from helpers import ROOT, run_script, tiny_flags, tiny_model_dirs
 
@@ -99,11 +101,16 @@ def toy_run(tmp_path_factory):
     return run_dir(out)
 
 
-@pytest.mark.parametrize("extra,pairs", [(["--num-prompts", "8", "--seeds-per-prompt", "2"], 16),
-                                         pytest.param([], 256, marks=pytest.mark.slow)], ids=["16-pairs", "preset"])
-def test_toy_world_command(toy_run, tmp_path, extra, pairs):
-    proc = run_script("evaluate.py", ["--model", "toy", "--checkpoints", toy_run, "--metrics", "toy_color_position",
-                                      "toy_shape_count", "toy_strict", "--out", str(tmp_path), *extra])
+def test_toy_world_command(toy_run, tmp_path, monkeypatch):
+    """The docs' command on 16 pairs; the preset's 256 pairs (64 held-out prompts x 4 seeds) from the same
+    check_args, without scoring them."""
+    toy = ["--model", "toy", "--checkpoints", toy_run, "--metrics", "toy_color_position", "toy_shape_count", "toy_strict",
+           "--out", str(tmp_path)]
+    monkeypatch.setattr(sys, "argv", ["evaluate.py", *toy])
+    entries, preset_pairs = evaluate.check_args(common.parse_args(evaluate.Args, toy=evaluate.TOY, description=""))
+    assert len(preset_pairs) == 256 and [e["weights"] for e in entries] == ["base", "transformer"]
+    pairs = 16
+    proc = run_script("evaluate.py", [*toy, "--num-prompts", "8", "--seeds-per-prompt", "2"])
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| ")]
     assert rows[0] == ("| entry | iteration | toy_color_position | toy_color_position change | toy_shape_count | "
                        "toy_shape_count change | toy_strict | toy_strict change |")

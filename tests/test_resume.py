@@ -15,10 +15,9 @@ from helpers import ROOT, read_metrics, run_script, tiny_flags
 
 pytestmark = pytest.mark.slow
 
-ITERATIONS = 8
+ITERATIONS = 4
 CASES = {  # name: (script, flags on top of tiny_flags at T = 4)
     "flow_grpo": ("flow_grpo.py", {}),
-    "flow_grpo_coca": ("flow_grpo.py", {"credit": "coca", "coca_window": 2}),
     "densegrpo": ("densegrpo.py", {"dense_ode_steps": 2}),
     "dancegrpo": ("dancegrpo.py", {"updates_per_iteration": 1}),
     "g2rpo": ("g2rpo.py", {"sde_steps": "0 1", "lambdas": "1 2", "updates_per_iteration": 2}),

@@ -8,6 +8,7 @@ import json
 import os
 import pickle
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
@@ -33,7 +34,7 @@ class StandIn(ThreadingHTTPServer):
     def __init__(self):
         super().__init__(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server_address[1]}"
-        self.requests, self.fail_first, self.raw = [], 0, None
+        self.requests, self.fail_first, self.raw, self.mode = [], 0, None, None
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -44,6 +45,23 @@ class Handler(BaseHTTPRequestHandler):
         s: StandIn = self.server
         data = pickle.loads(self.rfile.read(int(self.headers["Content-Length"])))  # it trusts the client
         s.requests.append(data)
+        if s.mode == "silent":  # never answers
+            time.sleep(3600)
+        if s.mode == "drip":  # an answer that never ends: a byte at a time
+            self.send_response(200)
+            self.send_header("Content-Length", "1000000")
+            self.end_headers()
+            while True:
+                self.wfile.write(b"x")
+                self.wfile.flush()
+                time.sleep(0.2)
+        if s.mode == "drop" and len(s.requests) == 1:  # the connection dropped mid-answer, once
+            self.send_response(200)
+            self.send_header("Content-Length", "1000")
+            self.end_headers()
+            self.wfile.write(b"\x80\x04")
+            self.close_connection = True
+            return
         if len(s.requests) <= s.fail_first:
             code, body = 500, b"Traceback (most recent call last):\n  ...\nValueError: boom\n"
         elif s.raw is not None:
@@ -141,7 +159,7 @@ def test_errors_name_the_url(server):
     with pytest.raises(SystemExit) as e:
         deqa_reward(server.url, retries=1)(gray([1.0]), ["p"])
     assert str(e.value) == (f"error: the reward server {server.url} failed after 2 tries (HTTP 500: "
-                            f"ValueError: boom); start it (docs/rewards.md: reward server) or pass its URL")
+                            f"ValueError: boom); start it (docs/rewards.md: reward servers) or pass its URL")
     assert len(server.requests) == 2
     server.fail_first, server.raw = 0, pickle.dumps({"outputs": [0.5]})
     with pytest.raises(SystemExit) as e:
@@ -156,8 +174,51 @@ def test_errors_name_the_url(server):
     closed.server_close()
     with pytest.raises(SystemExit) as e:
         deqa_reward(url, retries=0)(gray([1.0]), ["p"])
-    assert str(e.value) == (f"error: the reward server {url} failed after 1 tries (URLError: [Errno 111] "
-                            f"Connection refused); start it (docs/rewards.md: reward server) or pass its URL")
+    assert str(e.value) == (f"error: the reward server {url} failed after 1 try (URLError: [Errno 111] "
+                            f"Connection refused); start it (docs/rewards.md: reward servers) or pass its URL")
+
+
+@pytest.mark.parametrize("mode", ["silent", "drip"])
+def test_a_server_that_stalls_or_drips_is_cut_off_at_the_deadline(server, mode):
+    """A server that never answers, or sends a byte every 0.2 s for ever (each socket read succeeds: a timeout
+    per read would never fire), costs the batch its --reward-timeout (here 1.5 s) and no more."""
+    server.mode = mode
+    t = time.monotonic()
+    with pytest.raises(SystemExit) as e:
+        deqa_reward(server.url, deadline=1.5, retries=3)(gray([0.5]), ["p"])
+    assert 1.4 < time.monotonic() - t < 5
+    assert str(e.value) == (f"error: the reward server {server.url} failed after 1 try (no whole answer within the "
+                            f"deadline (--reward-timeout)); start it (docs/rewards.md: reward servers) or pass its URL")
+
+
+def test_a_connection_dropped_mid_answer_is_retried(server):
+    server.mode = "drop"  # http.client.IncompleteRead on the first request
+    assert deqa_reward(server.url, retries=1)(gray([1.0]), ["p"]).tolist() == pytest.approx([1.0], abs=0.01)
+    assert len(server.requests) == 2
+
+
+@pytest.mark.parametrize("answer,message", [
+    ({"outputs": [10**400]}, "outputs[0] = an integer of 1329 bits, not a number in [0.199, 1.001]"),
+    ({"outputs": [float("nan")]}, "outputs[0] = nan, not a number in [0.199, 1.001]"),
+    ({"outputs": [4.2]}, "outputs[0] = 4.2, not a number in [0.199, 1.001]"),  # a 1-5 score not divided by 5
+    ({"outputs": [True]}, "outputs[0] = True, not a number in [0.199, 1.001]"),
+    ({"outputs": ["0.5"]}, "outputs[0] = '0.5', not a number in [0.199, 1.001]"),
+])
+def test_deqa_values_are_checked(server, answer, message):
+    server.raw = pickle.dumps(answer)
+    with pytest.raises(SystemExit) as e:
+        deqa_reward(server.url, retries=0)(gray([0.5]), ["p"])
+    assert str(e.value) == f"error: the reward server {server.url} answered {message}"
+
+
+def test_geneval_values_are_checked(server):
+    server.raw = pickle.dumps({"scores": [0.5, -0.5, 1.0], "rewards": [0, 1, 1], "strict_rewards": [1, 1, 1]})
+    with pytest.raises(SystemExit) as e:
+        geneval_reward(server.url, retries=0)(gray([0.2, 0.6, 1.0]), prompts())
+    assert str(e.value) == f"error: the reward server {server.url} answered scores[1] = -0.5, not a number in [0.0, 1.0]"
+    server.raw = pickle.dumps({"scores": [0.5, 0.5, 1.0], "rewards": [0, 2, 1], "strict_rewards": [1, 1, 1]})
+    with pytest.raises(SystemExit, match=r"answered rewards\[1\] = 2, not a number in \[0.0, 1.0\]$"):
+        score({"geneval": geneval_reward(server.url, retries=0)}, gray([0.2, 0.6, 1.0]), prompts(), evaluation=True)
 
 
 def test_prompts_carry_their_metadata(tmp_path):

@@ -161,11 +161,11 @@ def test_retries_run_out_and_4xx_is_not_retried(server):
     fn = unifiedreward_reward(server.url, model="m", workers=1, retries=1)
     endpoint = re.escape(server.url + "/v1/chat/completions")
     with pytest.raises(SystemExit, match=rf"^error: the UnifiedReward server {endpoint} failed after 2 tries "
-                                         r"\(HTTP 503\)") as e:
+                                         r"\(HTTP 503: \{\"error\": \"transient\"\}\); start it or pass --unifiedreward-url$") as e:
         fn(flat([0.5])[0], ["a"])
     assert "\n" not in str(e.value) and len(server.requests) == 2
     server.status = 400
-    with pytest.raises(SystemExit, match=r"failed after 1 tries \(HTTP 400\)"):
+    with pytest.raises(SystemExit, match=r"failed after 1 try \(HTTP 400[:)]"):
         fn(flat([0.5])[0], ["a"])
     assert len(server.requests) == 3
 
@@ -198,9 +198,12 @@ def test_answer_without_a_score_is_a_one_line_error(server):
     with pytest.raises(SystemExit, match=message) as e:
         fn(flat([0.1, 0.9])[0], ["a", "b"])
     assert "\n" not in str(e.value)
-    server.answer = "Final Score: 0"  # outside 1-5, as Flow-GRPO's pattern reads it: no score either
-    with pytest.raises(SystemExit, match="has no 'Final Score"):
-        fn(flat([0.5])[0], ["a"])
+    for written in ("0", "10", "-3", "5.5"):  # read as the model wrote it: "10" is ten, not a 1 and a 0
+        server.answer = f"The image is sharp.\nFinal Score: {written}"
+        with pytest.raises(SystemExit) as e:
+            fn(flat([0.5])[0], ["a"])
+        assert str(e.value) == (f"error: the UnifiedReward server {server.url}/v1/chat/completions answered 'Final "
+                                f"Score: {written}', outside the question's scale of 1 to 5 (in {server.answer!r})")
 
 
 def test_a_server_started_with_an_api_key(server, monkeypatch):
