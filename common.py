@@ -28,6 +28,10 @@ import sys
 import torch
 import torch.distributed as dist
 
+from models import FAMILIES, family_of
+from models import blocks as family_blocks
+from models import sigmas as family_sigmas
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -185,20 +189,17 @@ def coca_credit(advantages, x0_hats, final, *, window: int, alpha: float, group_
 
 
 # ======== 2. Model: loading, prompts, velocity (with an NFE counter), decoding, training setup ========
-MODEL_ALIASES = {"toy": os.path.join(HERE, "toy", "flux-shapes"), "flux-dev": "black-forest-labs/FLUX.1-dev",
-                 "sd3.5-medium": "stabilityai/stable-diffusion-3.5-medium"}  # short names accepted by --model
+# What differs between model families (FLUX.1, SD3, Qwen-Image, FLUX.2, Z-Image) is in models.FAMILIES[kind];
+# the functions here are the same for every family and look its entry up by the `kind` load_pipeline returns.
+MODEL_ALIASES = {"toy": os.path.join(HERE, "toy", "flux-shapes"),  # short --model names
+                 **{a: hub for f in FAMILIES.values() for a, hub in f["aliases"].items()}}
 NFE = {"count": 0}  # per-sample transformer evaluations (a CFG pair counts once), counted in velocity()
-# "attn." as in Flow-GRPO: SD3.5-M's second attention (attn2) gets no adapter
-_ATTN = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj",
-         "attn.add_v_proj", "attn.to_add_out"]
-LORA_TARGETS = {"sd3": _ATTN, "flux": _ATTN + ["ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj",
-                                               "ff_context.net.2"]}
 
 
 def load_pipeline(model: str, device, *, dtype=torch.float32):
-    """A FluxPipeline or StableDiffusion3Pipeline from an alias in MODEL_ALIASES, a local directory or a hub
-    id: (pipe, "flux" | "sd3"). The text encoders wait on the CPU between encodings (T5-XXL: 9.5 GiB)."""
-    from diffusers import DiffusionPipeline, FluxPipeline, StableDiffusion3Pipeline
+    """A pipeline of a family in models.FAMILIES from an alias in MODEL_ALIASES, a local directory or a hub
+    id: (pipe, its family's key). The text encoders wait on the CPU between encodings (T5-XXL: 9.5 GiB)."""
+    from diffusers import DiffusionPipeline
     path = MODEL_ALIASES.get(model, model)
     hub_id = path.count("/") == 1 and not path.startswith((".", "/", "~")) and not os.path.exists(path)
     if model == "toy" and not os.path.isdir(path):
@@ -218,68 +219,54 @@ def load_pipeline(model: str, device, *, dtype=torch.float32):
             fail(f"model {model!r} is no local directory, and no hub model that could be loaded "
                  f"({type(e).__name__}: offline, or no such model); pass a local pipeline directory")
         fail(f"cannot load model {model!r}: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
-    if not isinstance(pipe, (FluxPipeline, StableDiffusion3Pipeline)):
-        fail(f"model {model!r} is a {type(pipe).__name__}; only Flux and StableDiffusion3 pipelines work")
+    kind = family_of(pipe)
+    if kind is None:
+        known = [c for f in FAMILIES.values() for c in f["pipelines"]]
+        fail(f"model {model!r} is a {type(pipe).__name__}; the pipelines this project trains are "
+             f"{', '.join(known)} (docs/models.md: adding a family)")
     pipe.set_progress_bar_config(disable=True)
     for name in ("vae", "text_encoder", "text_encoder_2", "text_encoder_3", "transformer"):
         module = getattr(pipe, name, None)
         if module is not None:
             module.requires_grad_(False).eval().to("cpu" if name.startswith("text") else device)
-    return pipe, "flux" if isinstance(pipe, FluxPipeline) else "sd3"
+    return pipe, kind
+
+
+def check_guidance(pipe, kind: str, guidance: float):
+    """A --guidance that the model would ignore (a step-distilled FLUX.2 [klein], FLUX.1 [schnell]) is a
+    one-line error: the run would not sample what it says."""
+    if FAMILIES[kind]["guidance"](pipe) == "none" and guidance != 1:
+        fail(f"--guidance {guidance} is ignored by this {type(pipe).__name__} (guidance-distilled: no "
+             f"guidance input and no CFG); pass --guidance 1")
 
 
 def latent_shape(pipe, kind: str, resolution: int) -> tuple:
     """(C, H, W) of a square image's latents, or a one-line error if the model cannot take `resolution`."""
-    f = pipe.vae_scale_factor
-    mult = 2 * f if kind == "flux" else f * pipe.transformer.config.patch_size
-    if resolution < mult or resolution % mult:
-        fail(f"--resolution {resolution} is not allowed for this model; use a positive multiple of {mult}")
-    channels = pipe.transformer.config.in_channels // (4 if kind == "flux" else 1)
-    return channels, resolution // f, resolution // f
+    return FAMILIES[kind]["latent"](pipe, resolution)[0]
 
 
-def pipeline_sigmas(pipe, kind: str, *, num_steps: int, image_tokens: int) -> torch.Tensor:
-    """The noise levels the pipeline itself samples with, then 0 (Flow-GRPO, DenseGRPO, every evaluation): SD3
-    `set_timesteps(T)`; Flux `linspace(1, 1/T, T)` with mu = calculate_shift(image tokens) when the scheduler
-    shifts dynamically (FLUX.1-dev). A copy of the scheduler: the pipeline's own state is untouched."""
-    import numpy as np
-    from diffusers.pipelines.flux.pipeline_flux import calculate_shift
-    scheduler = type(pipe.scheduler).from_config(pipe.scheduler.config)
-    c = scheduler.config
-    mu = calculate_shift(image_tokens, c.get("base_image_seq_len", 256), c.get("max_image_seq_len", 4096),
-                         c.get("base_shift", 0.5), c.get("max_shift", 1.15))
-    if kind == "flux":
-        scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / num_steps, num_steps), mu=mu)
-    else:
-        scheduler.set_timesteps(num_steps, mu=mu if c.get("use_dynamic_shifting") else None)
-    return scheduler.sigmas.float().cpu()
+def pipeline_sigmas(pipe, kind: str, *, num_steps: int, shape: tuple) -> torch.Tensor:
+    """The noise levels the pipeline itself samples with for latents of `shape`, then 0 (Flow-GRPO, DenseGRPO,
+    every evaluation): its scheduler's copy set as its __call__ sets it (SD3 `set_timesteps(T)`; FLUX.1,
+    Qwen-Image, FLUX.2, Z-Image: linspace(1, 1/T, T) with the family's mu), the pipeline's state untouched."""
+    return family_sigmas(pipe, kind, num_steps=num_steps, latent=shape)
 
 
 @torch.no_grad()
 def encode_prompts(pipe, kind: str, prompts: list[str], *, max_sequence_length: int, cfg: float = 1.0,
                    chunk: int = 16) -> dict:
     """Text embeddings of each prompt (index them to repeat a prompt for its group), `chunk` prompts at a
-    time; the text encoders visit the transformer's device once per call."""
+    time, with the negative prompt's where `cfg` (--guidance) turns true CFG on; the text encoders visit the
+    transformer's device once per call."""
     device = pipe.transformer.device
-    encoders = [m for m in (pipe.text_encoder, pipe.text_encoder_2, getattr(pipe, "text_encoder_3", None))
-                if m is not None]
+    encoders = [getattr(pipe, n) for n in ("text_encoder", "text_encoder_2", "text_encoder_3")
+                if getattr(pipe, n, None) is not None]
     for m in encoders:
         m.to(device)
     try:
-        parts = []
-        for start in range(0, len(prompts), chunk):
-            batch = prompts[start:start + chunk]
-            if kind == "flux":
-                embeds, pooled, _ = pipe.encode_prompt(batch, prompt_2=None, device=device,
-                                                       max_sequence_length=max_sequence_length)
-                parts.append({"embeds": embeds, "pooled": pooled})
-                continue
-            embeds, neg, pooled, neg_pooled = pipe.encode_prompt(
-                batch, batch, batch, device=device, do_classifier_free_guidance=cfg > 1, negative_prompt="",
-                negative_prompt_2="", negative_prompt_3="", max_sequence_length=max_sequence_length)
-            parts.append({"embeds": embeds, "pooled": pooled})
-            if cfg > 1:
-                parts[-1].update(neg_embeds=neg, neg_pooled=neg_pooled)
+        parts = [FAMILIES[kind]["encode"](pipe, prompts[start:start + chunk], guidance=cfg, device=device,
+                                          max_sequence_length=max_sequence_length)
+                 for start in range(0, len(prompts), chunk)]
         return {k: torch.cat([part[k] for part in parts]) for k in parts[0]}
     finally:
         for m in encoders:
@@ -292,35 +279,11 @@ def select(emb: dict, index) -> dict:
 
 
 def velocity(transformer, kind: str, x, sigma, emb: dict, *, guidance: float):
-    """The model's velocity v(x, sigma) for latents x [B, C, H, W]. Hides Flux's packing, position ids and
-    guidance embedding (timestep sigma), and SD3's classifier-free guidance (timestep 1000 sigma, [neg;
-    pos], a gradient through the conditional half only)."""
-    from diffusers import FluxPipeline
+    """The model's velocity v(x, sigma) = dx/dsigma for latents x [B, C, H, W] at noise levels sigma (the
+    family's packing, position ids, timestep convention and guidance: models.FAMILIES)."""
     NFE["count"] += x.shape[0]
-    b, c, h, w = x.shape
-    dtype = next(transformer.parameters()).dtype
-    t = torch.as_tensor(sigma, dtype=torch.float32).to(x.device).expand(b).contiguous()  # float32, not bf16
-    if kind == "flux":
-        packed = FluxPipeline._pack_latents(x.to(dtype), b, c, h, w)
-        img_ids = FluxPipeline._prepare_latent_image_ids(b, h // 2, w // 2, x.device, dtype)
-        txt_ids = torch.zeros(emb["embeds"].shape[1], 3, device=x.device, dtype=dtype)
-        distilled = transformer.config.guidance_embeds  # FLUX.1-dev: guidance is an input, not CFG
-        g = torch.full((b,), guidance, device=x.device, dtype=dtype) if distilled else None
-        embeds, pooled = emb["embeds"].to(dtype), emb["pooled"].to(dtype)
-        out = transformer(hidden_states=packed, timestep=t, guidance=g, encoder_hidden_states=embeds,
-                          pooled_projections=pooled, txt_ids=txt_ids, img_ids=img_ids, return_dict=False)[0]
-        return out.view(b, h // 2, w // 2, c, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(b, c, h, w)
-    cfg = "neg_embeds" in emb and guidance > 1
-    embeds = torch.cat([emb["neg_embeds"], emb["embeds"]]) if cfg else emb["embeds"]
-    pooled = torch.cat([emb["neg_pooled"], emb["pooled"]]) if cfg else emb["pooled"]
-    hidden, timestep = (torch.cat([x, x]), torch.cat([t, t]) * 1000) if cfg else (x, t * 1000)
-    out = transformer(hidden_states=hidden.to(dtype), timestep=timestep,
-                      encoder_hidden_states=embeds.to(dtype), pooled_projections=pooled.to(dtype),
-                      return_dict=False)[0]
-    if cfg:  # the unconditional half carries no gradient, as Flow-GRPO's compute_log_prob (train_sd3.py)
-        uncond, cond = out.chunk(2)
-        out = uncond.detach() + guidance * (cond - uncond.detach())
-    return out
+    t = torch.as_tensor(sigma, dtype=torch.float32).to(x.device).expand(x.shape[0]).contiguous()  # not bf16
+    return FAMILIES[kind]["velocity"](transformer, x, t, emb, guidance=guidance)
 
 
 def velocities(transformer, kind: str, x, sigma, emb: dict, *, rows, chunks, guidance: float):
@@ -360,11 +323,10 @@ def ode_complete(transformer, kind: str, x, paths: list, sigmas, emb: dict, *, g
 
 @torch.no_grad()
 def decode(pipe, latents, *, batch: int = 4) -> torch.Tensor:
-    """Latents -> float images in [0, 1], [B, 3, H, W]; on a GPU `batch` latents per VAE call."""
-    cfg = pipe.vae.config
-    z = (latents / cfg.scaling_factor + (cfg.shift_factor or 0.0)).to(pipe.vae.dtype)
-    parts = z.split(batch if z.is_cuda else len(z))
-    images = torch.cat([pipe.vae.decode(c, return_dict=False)[0] for c in parts])
+    """Latents -> float images in [0, 1], [B, 3, H, W] (the family's VAE); on a GPU `batch` at a time."""
+    decode_fn = FAMILIES[family_of(pipe)]["decode"]
+    parts = latents.split(batch if latents.is_cuda else len(latents))
+    images = torch.cat([decode_fn(pipe, z) for z in parts])
     return ((images.float() + 1) / 2).clamp(0, 1)
 
 
@@ -383,8 +345,14 @@ def make_trainable(transformer, kind: str, *, lora: tuple | None, reference: boo
         transformer.requires_grad_(True)
     else:
         from peft import LoraConfig
+        targets = FAMILIES[kind]["lora_targets"](transformer)
+        names = [n for n, m in transformer.named_modules() if isinstance(m, torch.nn.Linear)]
+        absent = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
+        if len(absent) == len(targets):  # some may be absent (SD3's last block has no to_add_out), not all
+            fail(f"none of the LoRA targets {absent} is a linear layer of this {type(transformer).__name__}; "
+                 f"its family's lora_targets (models.py) must name layers it has")
         transformer.add_adapter(LoraConfig(r=lora[0], lora_alpha=lora[1], init_lora_weights="gaussian",
-                                           target_modules=LORA_TARGETS[kind]))
+                                           target_modules=targets))
     if sharded:
         for model in [m for m in (transformer, ref) if m is not None]:
             shard(model, param_dtype=compute_dtype)
@@ -397,8 +365,8 @@ def make_trainable(transformer, kind: str, *, lora: tuple | None, reference: boo
 
 
 def transformer_blocks(model) -> list:
-    """The blocks of a Flux (double- and single-stream) or SD3 transformer, in order."""
-    return [*model.transformer_blocks, *getattr(model, "single_transformer_blocks", [])]
+    """The blocks of a family's transformer, in order (FSDP2's units)."""
+    return family_blocks(model)
 
 
 def shard(model, *, param_dtype=None, mesh=None):

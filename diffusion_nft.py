@@ -184,7 +184,7 @@ if __name__ == "__main__":
                     reference=args.beta > 0, copies=("old",))
     transformer, kind, rank, world, amp = run.transformer, run.kind, run.rank, run.world, run.amp
     P, G, T, (C, H, W) = args.prompts_per_iteration // world, args.group_size, args.num_steps, run.shape
-    sigmas = pipeline_sigmas(run.pipe, kind, num_steps=T, image_tokens=H * W // 4)  # the pipeline's schedule
+    sigmas = pipeline_sigmas(run.pipe, kind, num_steps=T, shape=run.shape)  # the pipeline's schedule
     n_train = int(T * args.timestep_fraction)
     params, old = list(run.params.values()), run.copies["old"]  # the old policy, shaped like the weights
 

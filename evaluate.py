@@ -40,10 +40,10 @@ from typing import Literal
 import torch
 import tyro
 
-from common import (ARG_RANGES, MODEL_ALIASES, RewardModels, broadcast_object, check_output_path,
-                    check_ranges, check_rewards, close_distributed, decode, encode_prompts, fail, gather_cat,
-                    latent_shape, load_pipeline, load_prompt_set, load_rewards, loggable, ode_complete,
-                    parse_args, pipeline_sigmas, score, setup_distributed)
+from common import (ARG_RANGES, MODEL_ALIASES, RewardModels, broadcast_object, check_guidance,
+                    check_output_path, check_ranges, check_rewards, close_distributed, decode, encode_prompts,
+                    fail, gather_cat, latent_shape, load_pipeline, load_prompt_set, load_rewards, loggable,
+                    ode_complete, parse_args, pipeline_sigmas, score, setup_distributed)
 from rundir import decimals, latest_checkpoint, paired_change, write_atomically
 
 
@@ -331,12 +331,13 @@ if __name__ == "__main__":
     # the metrics first: a reward file that cannot be read fails before the large model loads
     rewards = load_rewards(args.metrics, device, models=args.reward_models, dtype=torch.float32)
     pipe, kind = load_pipeline(args.model, device, dtype=compute_dtype)
+    check_guidance(pipe, kind, args.guidance)
     base = pipe.transformer
     for entry in entries:  # before anything is scored
         if entry["weights"] != "base":
             check_fits(entry, base, args.model)
     C, H, W = latent_shape(pipe, kind, args.resolution)
-    sigmas = pipeline_sigmas(pipe, kind, num_steps=args.steps, image_tokens=H * W // 4)
+    sigmas = pipeline_sigmas(pipe, kind, num_steps=args.steps, shape=(C, H, W))
 
     # this rank's contiguous share of the pairs, padded with the last pair to equal shares
     share = -(-len(pairs) // world)

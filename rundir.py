@@ -26,11 +26,11 @@ import time
 import torch
 import torch.distributed as dist
 
-from common import (MODEL_ALIASES, NFE, broadcast_object, close_distributed, decode, ema_update,
-                    encode_prompts, fail, gather_cat, gathered, is_main_rank, latent_shape, load_pipeline,
-                    load_prompt_set, load_rewards, loggable, make_trainable, max_over_ranks, ode_complete,
-                    optimizer_step, pipeline_sigmas, score, seed_everything, setup_distributed,
-                    sum_over_ranks, swapped_in)
+from common import (FAMILIES, MODEL_ALIASES, NFE, broadcast_object, check_guidance, close_distributed, decode,
+                    ema_update, encode_prompts, fail, family_of, gather_cat, gathered, is_main_rank,
+                    latent_shape, load_pipeline, load_prompt_set, load_rewards, loggable, make_trainable,
+                    max_over_ranks, ode_complete, optimizer_step, pipeline_sigmas, score, seed_everything,
+                    setup_distributed, sum_over_ranks, swapped_in)
 
 
 # ======== 0. The run ========
@@ -76,6 +76,7 @@ def start_run(args, *, script: str, check_args, planned_nfe, reference: bool, co
     eval_fns = load_rewards(args.rewards + args.eval_rewards, device, models=args.reward_models,
                             dtype=compute_dtype)
     pipe, kind = load_pipeline(args.model, device, dtype=compute_dtype)
+    check_guidance(pipe, kind, args.guidance)
     shape = latent_shape(pipe, kind, args.resolution)
     sharded = args.full_finetune and world > 1  # FSDP2; LoRA runs average their gradients (DDP style)
     lora = None if args.full_finetune else (args.lora_rank, args.lora_alpha)
@@ -123,7 +124,7 @@ class Run:
     run_dir: str
     writer: object  # rank 0's TensorBoard writer, else None
     pipe: object
-    kind: str  # the model family: "flux" or "sd3"
+    kind: str  # the model family: a key of models.FAMILIES
     transformer: torch.nn.Module
     params: dict  # {name: trainable float32 parameter}
     optimizer: torch.optim.Optimizer
@@ -187,7 +188,7 @@ class Run:
         prompts = [self.eval_prompts[k % len(self.eval_prompts)] for k in pairs]
         noise = torch.stack([torch.randn(C, H, W, generator=torch.Generator().manual_seed(10**6 + k))
                              for k in pairs])
-        sigmas = pipeline_sigmas(self.pipe, self.kind, num_steps=args.eval_steps, image_tokens=H * W // 4)
+        sigmas = pipeline_sigmas(self.pipe, self.kind, num_steps=args.eval_steps, shape=self.shape)
         with self.paused(), swapped_in(list(self.params.values()), self.ema):
             say(f"evaluating {what or f'iteration {iteration}'} on {args.eval_num} held-out prompt/seed "
                 f"pairs ({args.eval_steps} ODE steps)")
@@ -296,7 +297,7 @@ class Run:
                 self.writer.close()
             release_run_directories()
             if summary:
-                print(run_summary(self.run_dir, args=self.args, kind=self.kind, weights=self.weights,
+                print(run_summary(self.run_dir, args=self.args, pipe=self.pipe, weights=self.weights,
                                   seconds=time.time() - self.t0))
         close_distributed()
 
@@ -709,7 +710,7 @@ def change_line(before: list, after: list) -> str:
     return f"{means} ({d:+.{k}f} +- {se:.{k}f}, {d / se if se > 0 else 0:+.1f} SE): {verdict}"
 
 
-def run_summary(run_dir: str, *, args, kind: str, weights: dict, seconds: float) -> str:
+def run_summary(run_dir: str, *, args, pipe, weights: dict, seconds: float) -> str:
     """What a run did (metrics.jsonl, eval_<i>.json): each reward at the first and last evaluation with the
     change's paired standard error, time, NFE, sample grids, the checkpoint and how diffusers loads it."""
     rows = [r for r in read_jsonl(os.path.join(run_dir, "metrics.jsonl")) if "perf/nfe_per_iteration" in r]
@@ -736,18 +737,19 @@ def run_summary(run_dir: str, *, args, kind: str, weights: dict, seconds: float)
     ckpt = latest_checkpoint(run_dir)
     if ckpt:
         ckpt, model = os.path.abspath(ckpt), MODEL_ALIASES.get(args.model, args.model)
-        pipe_cls, tr_cls = ("Flux", "Flux") if kind == "flux" else ("StableDiffusion3", "SD3")
+        pipe_cls, tr_cls = type(pipe).__name__, type(pipe.transformer).__name__.removeprefix("FSDP")
         if args.full_finetune:
-            transformer = f"{tr_cls}Transformer2DModel.from_pretrained({os.path.join(ckpt, 'transformer')!r})"
-            load = f"pipe = {pipe_cls}Pipeline.from_pretrained({model!r}, transformer={transformer})"
+            transformer = f"{tr_cls}.from_pretrained({os.path.join(ckpt, 'transformer')!r})"
+            load = f"pipe = {pipe_cls}.from_pretrained({model!r}, transformer={transformer})"
         else:
-            load = (f"pipe = {pipe_cls}Pipeline.from_pretrained({model!r}); "
+            load = (f"pipe = {pipe_cls}.from_pretrained({model!r}); "
                     f"pipe.load_lora_weights({os.path.join(ckpt, 'lora')!r})")
-        call = (f"pipe('a red circle on the left', height={args.resolution}, width={args.resolution}, "
-                f"num_inference_steps={args.eval_steps}, guidance_scale={args.guidance}, "
+        guidance = FAMILIES[family_of(pipe)]["call_guidance"](args.guidance)
+        call = (f"pipe(prompt='a red circle on the left', height={args.resolution}, width={args.resolution}, "
+                f"num_inference_steps={args.eval_steps}, {guidance}, "
                 f"max_sequence_length={args.max_sequence_length})")
         out += [f"Checkpoint: {ckpt} (continue with --resume {os.path.abspath(run_dir)}); in diffusers:",
-                f"  from diffusers import {pipe_cls}Pipeline, {tr_cls}Transformer2DModel", f"  {load}",
+                f"  from diffusers import {pipe_cls}, {tr_cls}", f"  {load}",
                 f"  image = {call}.images[0]"]
     return "\n".join(out)
 

@@ -552,7 +552,7 @@ def estimate(name, script, argv, world, *, tiny=False, undo=(), phases=None):
             raise SystemExit("error: the estimator does not model one-GPU full fine-tuning with a KL "
                              "(pass --beta 0)")
     vae = build(vae_cls, bf16).requires_grad_(False)
-    pipe = type("Pipe", (), {"vae": vae})()
+    pipe = type(common.FAMILIES[kind]["pipelines"][0], (), {"vae": vae})()  # decode finds its family by it
     loaded = {r: reward_model(r, tiny=tiny) for r in dict.fromkeys(args.rewards + args.eval_rewards)}
     loaded = {r: build(m) for r, m in loaded.items() if m is not None}
     trained_rewards = {r: m for r, m in loaded.items() if r in args.rewards}
@@ -856,7 +856,7 @@ def estimate_evaluate(spec=EVALUATE, *, tiny=False):
     build = Builder()
     transformer = build(make_t, bf16).requires_grad_(False)
     vae = build(vae_cls, bf16).requires_grad_(False)
-    pipe = type("Pipe", (), {"vae": vae})()
+    pipe = type(common.FAMILIES[kind]["pipelines"][0], (), {"vae": vae})()  # decode finds its family by it
     scorers = {r: build(reward_model(r, tiny=tiny, dtype=torch.float32)) for r in spec["rewards"]}
     texts = [build(c, bf16).requires_grad_(False) for c in text_cls]
     sigmas = Sigmas(common.shifted_sigmas(spec["steps"], shift=3.0).tolist())

@@ -394,11 +394,11 @@ def test_every_numeric_argument_is_checked_before_any_model_loads(name, tmp_path
 
 @pytest.mark.slow
 def test_copying_one_file_as_the_readme_says(tmp_path):
-    """README "Copying one file into your project", literally, in an empty directory: mixgrpo.py, common.py and
-    rundir.py train the toy pipeline (given by its path: its toy_world.json gives it the TOY preset) on --rewards
+    """README "Copying one file into your project", literally, in an empty directory: mixgrpo.py, common.py,
+    rundir.py and models.py train the toy pipeline (given by its path: its toy_world.json gives it the TOY preset) on --rewards
     jpeg; the toy rewards need toy/world.py, a one-line error until it is copied, then they train; the learned
     rewards name rewards.py; --model toy names the toy model's place. The summary counts in seconds below a
-    minute; without rundir.py the file does not start."""
+    minute; without rundir.py or models.py the file does not start."""
     import shutil
     import subprocess
     import sys
@@ -407,7 +407,7 @@ def test_copying_one_file_as_the_readme_says(tmp_path):
 
     project = tmp_path / "project"
     project.mkdir()
-    for f in ("mixgrpo.py", "common.py", "rundir.py"):
+    for f in ("mixgrpo.py", "common.py", "rundir.py", "models.py"):
         shutil.copy(os.path.join(ROOT, f), project)
     (project / "prompts.txt").write_text("a red circle on the left\na blue square on the top\n")
     toy_model = os.path.join(ROOT, "toy", "flux-shapes")
@@ -437,6 +437,8 @@ def test_copying_one_file_as_the_readme_says(tmp_path):
     assert learned.stderr.strip().splitlines()[-1].startswith("error: rewards.py is missing: copy this project's "
                                                               "rewards.py next to common.py"), learned.stderr[-500:]
     alias = run("--model", "toy", *small)
+    os.remove(project / "models.py")
+    assert "No module named 'models'" in run("--model", toy_model, *small).stderr
     os.remove(project / "rundir.py")
     assert "No module named 'rundir'" in run("--model", toy_model, *small).stderr
     assert alias.stderr.strip().splitlines()[-1].startswith(f"error: the toy model is not at "

@@ -45,7 +45,7 @@ def test_pure_ode_gives_zero_dense_rewards(tmp_path):
     from tiny import build_flux
 
     pipe = build_flux()
-    sigmas = common.pipeline_sigmas(pipe, "flux", num_steps=4, image_tokens=64)
+    sigmas = common.pipeline_sigmas(pipe, "flux", num_steps=4, shape=(16, 16, 16))
     emb = common.encode_prompts(pipe, "flux", ["a red circle"], max_sequence_length=16)
     x = [torch.randn(1, 4, 16, 16, generator=torch.Generator().manual_seed(0))]
     with torch.no_grad():

@@ -7,10 +7,12 @@ import os
 import pytest
 import torch
 
+import models
+
 import common
 import densegrpo
 import flow_grpo
-from common import LORA_TARGETS, ema_update, make_trainable, pipeline_sigmas, shifted_sigmas, velocity
+from common import ema_update, make_trainable, pipeline_sigmas, shifted_sigmas, velocity
 from densegrpo import spaced_indices
 from g2rpo import strided_indices
 from helpers import read_metrics, run_in_process, run_script, tiny_flags
@@ -21,15 +23,15 @@ FLUX_512_T6 = [1.0, 0.9037, 0.7897, 0.6525, 0.4842, 0.2730, 0.0]  # FLUX.1-dev's
 
 
 def test_pipeline_schedules():
-    sd3 = pipeline_sigmas(build_sd3(), "sd3", num_steps=10, image_tokens=1024)
+    sd3 = pipeline_sigmas(build_sd3(), "sd3", num_steps=10, shape=(16, 64, 64))
     torch.testing.assert_close(sd3, torch.tensor(SD3_T10), atol=1e-4, rtol=0)
     flux = build_flux(dynamic_shifting=True)
-    torch.testing.assert_close(pipeline_sigmas(flux, "flux", num_steps=6, image_tokens=(512 // 16) ** 2),
+    torch.testing.assert_close(pipeline_sigmas(flux, "flux", num_steps=6, shape=(16, 64, 64)),
                                torch.tensor(FLUX_512_T6), atol=1e-4, rtol=0)
-    assert pipeline_sigmas(flux, "flux", num_steps=6, image_tokens=4096)[5] > FLUX_512_T6[5]  # more tokens, more shift
+    assert pipeline_sigmas(flux, "flux", num_steps=6, shape=(16, 128, 128))[5] > FLUX_512_T6[5]  # more tokens, more shift
     # a static shift 3 scheduler (the toy's) gives DanceGRPO's shifted linspace exactly
     toy = build_flux(shift=3.0)
-    assert torch.equal(pipeline_sigmas(toy, "flux", num_steps=16, image_tokens=64), shifted_sigmas(16, shift=3.0))
+    assert torch.equal(pipeline_sigmas(toy, "flux", num_steps=16, shape=(16, 16, 16)), shifted_sigmas(16, shift=3.0))
     # the documented noise of an untrained, stochastic last step: a sqrt(sigma / (1 - sigma)) sqrt(sigma), a = 0.7 / 0.9
     last_std = lambda s, a: a * math.sqrt(s / (1 - s)) * math.sqrt(s)  # noqa: E731
     assert last_std(SD3_T10[9], 0.7) == pytest.approx(0.0063, abs=2e-4)
@@ -74,7 +76,7 @@ def test_untrained_last_step_is_deterministic(tiny, tmp_path, monkeypatch, scrip
         assert i == 4 and float(sigmas[5]) == 0
         torch.testing.assert_close(x_next, x - float(sigmas[4]) * v)
     # Flow-GRPO and DenseGRPO sample with the pipeline's own schedule (SD3: diffusers' set_timesteps)
-    torch.testing.assert_close(sigmas, pipeline_sigmas(build_sd3(), "sd3", num_steps=5, image_tokens=0))
+    torch.testing.assert_close(sigmas, pipeline_sigmas(build_sd3(), "sd3", num_steps=5, shape=(16, 2, 2)))
     assert not torch.equal(sigmas, shifted_sigmas(5, shift=3.0))
     # a trained last step keeps its noise
     calls = sampling_steps(script, tiny_flags(tiny["sd3"], tiny["prompts"], tmp_path / "b", num_iterations=1,
@@ -126,7 +128,7 @@ def test_the_files_kl_forms_differ_by_one_over_dt(tiny, tmp_path):
                                               num_steps=4, timestep_fraction=0.25, beta=0.04, kl_form=form,
                                               updates_per_iteration=2, learning_rate=1e-2))
         metrics[form] = read_metrics(out)[1][1]
-    sigmas = pipeline_sigmas(build_flux(dynamic_shifting=True), "flux", num_steps=4, image_tokens=64)
+    sigmas = pipeline_sigmas(build_flux(dynamic_shifting=True), "flux", num_steps=4, shape=(16, 16, 16))
     step = float(sigmas[0] - sigmas[1])
     assert metrics["official"]["train/kl"] > 0
     assert metrics["exact"]["train/kl"] == pytest.approx(metrics["official"]["train/kl"] / step, rel=1e-4)
@@ -141,7 +143,7 @@ def test_lora_targets_skip_sd35_second_attention():
     modules = dict(sd3.named_modules())
     make_trainable(sd3, "sd3", lora=(4, 8), reference=False)
     names = adapted(sd3)
-    assert names == sorted(n for n in (f"transformer_blocks.0.{t}" for t in LORA_TARGETS["sd3"]) if modules.get(n))
+    assert names == sorted(n for n in (f"transformer_blocks.0.{t}" for t in models.FAMILIES["sd3"]["lora_targets"](None)) if modules.get(n))
     assert len(names) >= 7 and "transformer_blocks.0.attn2.to_q" in modules and not any("attn2" in n for n in names)
     flux = build_flux().transformer
     make_trainable(flux, "flux", lora=(4, 8), reference=False)

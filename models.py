@@ -1,0 +1,396 @@
+"""The model families: what this project needs of a diffusers text-to-image pipeline, one entry per family in
+FAMILIES. The algorithm files never name a family: common.py's model functions (latent_shape, pipeline_sigmas,
+encode_prompts, velocity, decode, make_trainable, shard) look the loaded pipeline's entry up by its `kind`.
+
+An entry (a dict of plain functions and names) defines:
+    pipelines       the diffusers pipeline classes it handles (by name)
+    aliases         short --model names -> hub ids
+    latent          (pipe, resolution) -> (C, H, W) of the latents the samplers move, and the pixel multiple
+    mu              (pipe, latent (C, H, W), num_steps) -> the schedule's shift parameter mu (None: no shift)
+    base_sigmas     num_steps -> the noise levels before the shift (None: the scheduler's own, SD3)
+    encode          (pipe, prompts, *, max_sequence_length, guidance, device) -> {name: [B, ...] tensors}
+    velocity        (transformer, x [B, C, H, W], t [B] float32 sigma, emb, *, guidance) -> v, as dx/dsigma
+    decode          (pipe, latents [B, C, H, W]) -> the VAE's output in [-1, 1]
+    lora_targets    transformer -> the peft target module names (attention and MLP projections)
+    blocks          transformer -> its blocks in order (FSDP2's units, activation checkpointing)
+    transformers    its transformer classes (by name)
+    guidance        pipe -> how --guidance acts: "embedded" (an input of the model), "cfg" (true
+                    classifier-free guidance, off at 1), "cfg0" (Z-Image's pos + g (pos - neg), off at 0) or
+                    "none" (ignored: a step-distilled model)
+    negative        the negative prompt of true CFG
+    call_guidance   --guidance -> the pipeline __call__'s arguments for the same guidance (the run's summary)
+
+Every velocity returns dx/dsigma in the latent layout the family's pipeline draws its noise in, so the same
+initial noise and the same schedule give the pipeline's own latents (tests/test_families.py). Where a family
+uses true CFG, the unconditional prediction carries no gradient (Flow-GRPO's compute_log_prob, train_sd3.py).
+Adding a family: write these functions and an entry, and build a tiny pipeline of it in toy/tiny_families.py.
+"""
+import numpy as np
+import torch
+
+_ATTN = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj",
+         "attn.add_v_proj", "attn.to_add_out"]  # "attn.": SD3.5-M's second attention (attn2) gets none
+
+
+def calculate_shift(tokens: int, config) -> float:
+    """mu linear in the image token count (diffusers' calculate_shift), from the scheduler's config."""
+    c = config
+    base, top = c.get("base_image_seq_len", 256), c.get("max_image_seq_len", 4096)
+    m = (c.get("max_shift", 1.15) - c.get("base_shift", 0.5)) / (top - base)
+    return tokens * m + c.get("base_shift", 0.5) - m * base
+
+
+def linspace_sigmas(num_steps: int):
+    """linspace(1, 1/T, T) in float64, as Flux, Qwen-Image and FLUX.2 pass it to their schedulers."""
+    return np.linspace(1.0, 1 / num_steps, num_steps)
+
+
+def cfg(uncond, cond, w: float):
+    """uncond + w (cond - uncond), the gradient through the conditional prediction only."""
+    return uncond.detach() + w * (cond - uncond.detach())
+
+
+def pack(x):
+    """[B, C, H, W] -> Flux's and Qwen-Image's 2x2 patches [B, H/2 * W/2, 4C]."""
+    b, c, h, w = x.shape
+    return x.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(b, h * w // 4, 4 * c)
+
+
+def unpack(tokens, shape):
+    """pack's inverse, to `shape` [B, C, H, W]."""
+    b, c, h, w = shape
+    return tokens.view(b, h // 2, w // 2, c, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(b, c, h, w)
+
+
+def trim(emb: dict, prefix: str = ""):
+    """The rows' text embeddings cut to their longest prompt, and the mask (None when nothing is padded, as
+    Qwen-Image's encode_prompt passes it)."""
+    mask = emb[prefix + "mask"]
+    n = int(mask.sum(1).max())
+    mask = mask[:, :n]
+    return emb[prefix + "embeds"][:, :n], (None if bool(mask.all()) else mask)
+
+
+def padded(rows: list, length: int):
+    """Variable-length [n_i, D] rows zero-padded to `length`: ([B, length, D], mask [B, length])."""
+    out = rows[0].new_zeros(len(rows), length, rows[0].shape[-1])
+    mask = torch.zeros(len(rows), length, dtype=torch.long, device=rows[0].device)
+    for i, r in enumerate(rows):
+        out[i, :len(r)], mask[i, :len(r)] = r[:length], 1
+    return out, mask
+
+
+def square(resolution: int, *, f: int, mult: int, channels: int):
+    """(channels, resolution / f, resolution / f) of a square image, or a one-line error."""
+    if resolution < mult or resolution % mult:
+        raise SystemExit(f"error: --resolution {resolution} is not allowed for this model; use a positive "
+                         f"multiple of {mult}")
+    return (channels, resolution // f, resolution // f), mult
+
+
+# ======== FLUX.1 (FluxPipeline) ========
+def flux_encode(pipe, prompts, *, max_sequence_length, guidance, device):
+    embeds, pooled, _ = pipe.encode_prompt(prompts, prompt_2=None, device=device,
+                                           max_sequence_length=max_sequence_length)
+    return {"embeds": embeds, "pooled": pooled}
+
+
+def flux_velocity(transformer, x, t, emb, *, guidance):
+    """Packed 2x2 latents, position ids, the timestep sigma, the guidance embedding of FLUX.1-dev."""
+    from diffusers import FluxPipeline
+    b, c, h, w = x.shape
+    dtype = next(transformer.parameters()).dtype
+    img_ids = FluxPipeline._prepare_latent_image_ids(b, h // 2, w // 2, x.device, dtype)
+    txt_ids = torch.zeros(emb["embeds"].shape[1], 3, device=x.device, dtype=dtype)
+    distilled = transformer.config.guidance_embeds  # FLUX.1-dev: guidance is an input, not CFG
+    g = torch.full((b,), guidance, device=x.device, dtype=dtype) if distilled else None
+    out = transformer(hidden_states=pack(x.to(dtype)), timestep=t, guidance=g,
+                      encoder_hidden_states=emb["embeds"].to(dtype),
+                      pooled_projections=emb["pooled"].to(dtype), txt_ids=txt_ids, img_ids=img_ids,
+                      return_dict=False)[0]
+    return unpack(out, x.shape)
+
+
+def vae_decode(pipe, z):
+    """z / scaling_factor + shift_factor through the VAE (FLUX.1, SD3, Z-Image)."""
+    cfg_ = pipe.vae.config
+    z = (z / cfg_.scaling_factor + (cfg_.shift_factor or 0.0)).to(pipe.vae.dtype)
+    return pipe.vae.decode(z, return_dict=False)[0]
+
+
+def flux_blocks(model):
+    return [*model.transformer_blocks, *getattr(model, "single_transformer_blocks", [])]
+
+
+# ======== SD3 (StableDiffusion3Pipeline) ========
+def sd3_encode(pipe, prompts, *, max_sequence_length, guidance, device):
+    embeds, neg, pooled, neg_pooled = pipe.encode_prompt(
+        prompts, prompts, prompts, device=device, do_classifier_free_guidance=guidance > 1,
+        negative_prompt="", negative_prompt_2="", negative_prompt_3="",
+        max_sequence_length=max_sequence_length)
+    out = {"embeds": embeds, "pooled": pooled}
+    return {**out, "neg_embeds": neg, "neg_pooled": neg_pooled} if guidance > 1 else out
+
+
+def sd3_velocity(transformer, x, t, emb, *, guidance):
+    """Timestep 1000 sigma; CFG as one forward of [neg; pos]."""
+    dtype = next(transformer.parameters()).dtype
+    both = "neg_embeds" in emb and guidance > 1
+    embeds = torch.cat([emb["neg_embeds"], emb["embeds"]]) if both else emb["embeds"]
+    pooled = torch.cat([emb["neg_pooled"], emb["pooled"]]) if both else emb["pooled"]
+    hidden, timestep = (torch.cat([x, x]), torch.cat([t, t]) * 1000) if both else (x, t * 1000)
+    out = transformer(hidden_states=hidden.to(dtype), timestep=timestep,
+                      encoder_hidden_states=embeds.to(dtype), pooled_projections=pooled.to(dtype),
+                      return_dict=False)[0]
+    return cfg(*out.chunk(2), guidance) if both else out
+
+
+# ======== Qwen-Image (QwenImagePipeline) ========
+def qwen_latent(pipe, resolution):
+    f = pipe.vae_scale_factor
+    return square(resolution, f=f, mult=2 * f, channels=pipe.transformer.config.in_channels // 4)
+
+
+def qwen_encode(pipe, prompts, *, max_sequence_length, guidance, device):
+    """The pipeline's encode_prompt (its system template, the 34 template tokens dropped), padded to
+    max_sequence_length with a mask; true CFG: the negative prompt " " (the model card's) for every row."""
+    out = {}
+    negative = [("neg_", [FAMILIES["qwenimage"]["negative"]] * len(prompts))] if guidance > 1 else []
+    for prefix, texts in [("", prompts)] + negative:
+        embeds, mask = pipe.encode_prompt(texts, device=device, max_sequence_length=max_sequence_length)
+        mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=embeds.device) if mask is None else mask
+        rows = [e[:int(m.sum())] for e, m in zip(embeds, mask)]
+        out[prefix + "embeds"], out[prefix + "mask"] = padded(rows, max_sequence_length)
+    return out
+
+
+def qwen_velocity(transformer, x, t, emb, *, guidance):
+    """Packed 2x2 latents, the timestep sigma (rounded in float32 as the pipeline's t / 1000), the text mask;
+    true CFG with the guided prediction rescaled per token to the conditional one's norm
+    (pipeline_qwenimage.py)."""
+    b, c, h, w = x.shape
+    dtype = next(transformer.parameters()).dtype
+    timestep = (t * 1000) / 1000
+    shapes = [[(1, h // 2, w // 2)]] * b
+
+    def forward(prefix):
+        embeds, mask = trim(emb, prefix)
+        return transformer(hidden_states=pack(x.to(dtype)), timestep=timestep, guidance=None,
+                           encoder_hidden_states_mask=mask, encoder_hidden_states=embeds.to(dtype),
+                           img_shapes=shapes, return_dict=False)[0]
+    v = forward("")
+    if "neg_embeds" in emb and guidance > 1:
+        combined = cfg(forward("neg_"), v, guidance)
+        v = combined * (v.norm(dim=-1, keepdim=True) / combined.norm(dim=-1, keepdim=True))
+    return unpack(v, x.shape)
+
+
+def qwen_decode(pipe, z):
+    """Per-channel latent mean and std undone (written as the pipeline writes it), one frame."""
+    c = pipe.vae.config
+    mean = torch.tensor(c.latents_mean).view(1, c.z_dim, 1, 1, 1).to(z.device, z.dtype)
+    std = 1.0 / torch.tensor(c.latents_std).view(1, c.z_dim, 1, 1, 1).to(z.device, z.dtype)
+    z = (z[:, :, None] / std + mean).to(pipe.vae.dtype)
+    return pipe.vae.decode(z, return_dict=False)[0][:, :, 0]
+
+
+# ======== FLUX.2 [dev] and [klein] (Flux2Pipeline, Flux2KleinPipeline) ========
+def flux2_latent(pipe, resolution):
+    """The pipeline's noise space: 2x2-patchified, BatchNorm-standardised latents [4C, H / 2f, W / 2f]."""
+    f = pipe.vae_scale_factor
+    (c, h, w), mult = square(resolution, f=2 * f, mult=2 * f, channels=pipe.transformer.config.in_channels)
+    return (c, h, w), mult
+
+
+def flux2_mu(pipe, latent, num_steps):
+    """compute_empirical_mu(image tokens, steps): FLUX.2's shift depends on the number of steps."""
+    from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu
+    return compute_empirical_mu(image_seq_len=latent[1] * latent[2], num_steps=num_steps)
+
+
+def flux2_encode(pipe, prompts, *, max_sequence_length, guidance, device):
+    """The pipeline's encode_prompt (its chat template; hidden layers 10, 20, 30 of Mistral, or 9, 18, 27 of
+    Qwen3 in [klein], stacked), padded to max_sequence_length; [klein] base with CFG: "" as the negative."""
+    embeds, _ = pipe.encode_prompt(prompts, device=device, max_sequence_length=max_sequence_length)
+    out = {"embeds": embeds}
+    if flux2_cfg(pipe.transformer, guidance, getattr(pipe.config, "is_distilled", None)):
+        out["neg_embeds"], _ = pipe.encode_prompt([""] * len(prompts), device=device,
+                                                  max_sequence_length=max_sequence_length)
+    return out
+
+
+def flux2_cfg(transformer, guidance: float, distilled) -> bool:
+    """True CFG in [klein] base (no guidance embedding, not step-distilled) when guidance > 1."""
+    return not transformer.config.guidance_embeds and not distilled and guidance > 1
+
+
+def flux2_velocity(transformer, x, t, emb, *, guidance):
+    """Tokens [B, H W, 4C], 4-axis position ids (T, H, W, L), the timestep sigma as the pipeline rounds it;
+    [dev]: the guidance embedding; [klein] base: true CFG against ""."""
+    from diffusers import Flux2Pipeline
+    b, c, h, w = x.shape
+    dtype = next(transformer.parameters()).dtype
+    tokens = x.reshape(b, c, h * w).permute(0, 2, 1).to(dtype)
+    img_ids = Flux2Pipeline._prepare_latent_ids(x).to(x.device)
+    g = torch.full((b,), guidance, device=x.device, dtype=torch.float32) \
+        if transformer.config.guidance_embeds else None
+
+    def forward(embeds):
+        txt_ids = Flux2Pipeline._prepare_text_ids(embeds).to(x.device)
+        return transformer(hidden_states=tokens, timestep=(t * 1000) / 1000, guidance=g,
+                           encoder_hidden_states=embeds.to(dtype), txt_ids=txt_ids, img_ids=img_ids,
+                           return_dict=False)[0][:, :h * w]
+    v = forward(emb["embeds"])
+    if "neg_embeds" in emb and guidance > 1:
+        v = cfg(forward(emb["neg_embeds"]), v, guidance)
+    return v.permute(0, 2, 1).reshape(b, c, h, w)
+
+
+def flux2_vae_latents(pipe, z):
+    """The pipeline's latents in the VAE's space: the BatchNorm standardisation undone, the 2x2 patches
+    unfolded."""
+    bn, eps = pipe.vae.bn, pipe.vae.config.batch_norm_eps
+    z = z * torch.sqrt(bn.running_var.view(1, -1, 1, 1) + eps).to(z) + bn.running_mean.view(1, -1, 1, 1).to(z)
+    b, c4, h, w = z.shape
+    return z.reshape(b, c4 // 4, 2, 2, h, w).permute(0, 1, 4, 2, 5, 3).reshape(b, c4 // 4, 2 * h, 2 * w)
+
+
+def flux2_decode(pipe, z):
+    return pipe.vae.decode(flux2_vae_latents(pipe, z).to(pipe.vae.dtype), return_dict=False)[0]
+
+
+def flux2_lora_targets(transformer):
+    """Flux's projections, FLUX.2's MLPs and the single blocks' fused projections (their `attn.to_out` named
+    per block: the double blocks' `attn.to_out` is a ModuleList with the same suffix)."""
+    singles = range(len(transformer.single_transformer_blocks))
+    return _ATTN + ["ff.linear_in", "ff.linear_out", "ff_context.linear_in", "ff_context.linear_out",
+                    "attn.to_qkv_mlp_proj"] + [f"single_transformer_blocks.{i}.attn.to_out" for i in singles]
+
+
+# ======== Z-Image (ZImagePipeline) ========
+def zimage_latent(pipe, resolution):
+    f = pipe.vae_scale_factor
+    return square(resolution, f=f, mult=2 * f, channels=pipe.transformer.config.in_channels)
+
+
+def zimage_encode(pipe, prompts, *, max_sequence_length, guidance, device):
+    """The pipeline's encode_prompt (Qwen3's chat template, hidden_states[-2] without padding), padded to
+    max_sequence_length with a mask; CFG (guidance > 0): "" as the negative."""
+    pos, neg = pipe.encode_prompt(prompts, device=device, do_classifier_free_guidance=guidance > 0,
+                                  max_sequence_length=max_sequence_length)
+    out = dict(zip(("embeds", "mask"), padded(pos, max_sequence_length)))
+    if guidance > 0:
+        out.update(zip(("neg_embeds", "neg_mask"), padded(neg, max_sequence_length)))
+    return out
+
+
+def zimage_velocity(transformer, x, t, emb, *, guidance):
+    """Latents as a list of [C, 1, H, W], captions as a list without padding, the model's time 1 - sigma; its
+    output is minus the velocity. CFG: pos + g (pos - neg), one forward of [pos; neg] as the pipeline's."""
+    dtype = next(transformer.parameters()).dtype
+    both = "neg_embeds" in emb and guidance > 0
+    caps = [e[:int(m.sum())].to(dtype) for e, m in zip(emb["embeds"], emb["mask"])]
+    if both:
+        caps += [e[:int(m.sum())].to(dtype) for e, m in zip(emb["neg_embeds"], emb["neg_mask"])]
+    n = 2 if both else 1
+    time = (1000 - t.repeat(n) * 1000) / 1000
+    out = transformer(list(x.to(dtype).repeat(n, 1, 1, 1).unsqueeze(2).unbind(0)), time, caps,
+                      return_dict=False)[0]
+    out = torch.stack([o.float() for o in out]).squeeze(2)
+    v = out[:len(x)]
+    if both:  # written as the pipeline's pos + g (pos - neg), the gradient through pos only
+        v = v + guidance * (v - out[len(x):].detach())
+    return -v
+
+
+ZIMAGE_BLOCKS = ("noise_refiner", "context_refiner", "layers")
+
+FAMILIES = {
+    "flux": {
+        "call_guidance": lambda g: f"guidance_scale={g}",
+        "pipelines": ("FluxPipeline",), "transformers": ("FluxTransformer2DModel",),
+        "aliases": {"flux-dev": "black-forest-labs/FLUX.1-dev"},
+        "latent": lambda pipe, r: square(r, f=pipe.vae_scale_factor, mult=2 * pipe.vae_scale_factor,
+                                         channels=pipe.transformer.config.in_channels // 4),
+        "mu": lambda pipe, latent, steps: calculate_shift(latent[1] * latent[2] // 4, pipe.scheduler.config),
+        "base_sigmas": linspace_sigmas, "encode": flux_encode, "velocity": flux_velocity,
+        "decode": vae_decode,
+        "lora_targets": lambda t: _ATTN + ["ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj",
+                                           "ff_context.net.2"],
+        "blocks": flux_blocks, "guidance": lambda pipe: "embedded" if pipe.transformer.config.guidance_embeds
+        else "none", "negative": None},
+    "sd3": {
+        "call_guidance": lambda g: f"guidance_scale={g}",
+        "pipelines": ("StableDiffusion3Pipeline",), "transformers": ("SD3Transformer2DModel",),
+        "aliases": {"sd3.5-medium": "stabilityai/stable-diffusion-3.5-medium"},
+        "latent": lambda pipe, r: square(r, f=pipe.vae_scale_factor,
+                                         mult=pipe.vae_scale_factor * pipe.transformer.config.patch_size,
+                                         channels=pipe.transformer.config.in_channels),
+        "mu": lambda pipe, latent, steps: calculate_shift(latent[1] * latent[2] // 4, pipe.scheduler.config)
+        if pipe.scheduler.config.get("use_dynamic_shifting") else None,
+        "base_sigmas": None, "encode": sd3_encode, "velocity": sd3_velocity, "decode": vae_decode,
+        "lora_targets": lambda t: _ATTN, "blocks": flux_blocks, "guidance": lambda pipe: "cfg",
+        "negative": ""},
+    "qwenimage": {
+        "call_guidance": lambda g: f"true_cfg_scale={g}, negative_prompt=' '",
+        "pipelines": ("QwenImagePipeline",), "transformers": ("QwenImageTransformer2DModel",),
+        "aliases": {"qwen-image": "Qwen/Qwen-Image"},
+        "latent": qwen_latent,
+        "mu": lambda pipe, latent, steps: calculate_shift(latent[1] * latent[2] // 4, pipe.scheduler.config),
+        "base_sigmas": linspace_sigmas, "encode": qwen_encode, "velocity": qwen_velocity,
+        "decode": qwen_decode,
+        "lora_targets": lambda t: _ATTN + ["img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj",
+                                           "txt_mlp.net.2"],
+        "blocks": lambda t: list(t.transformer_blocks), "guidance": lambda pipe: "cfg", "negative": " "},
+    "flux2": {
+        "call_guidance": lambda g: f"guidance_scale={g}",
+        "pipelines": ("Flux2Pipeline", "Flux2KleinPipeline"), "transformers": ("Flux2Transformer2DModel",),
+        "aliases": {"flux2-dev": "black-forest-labs/FLUX.2-dev",
+                    "flux2-klein-base-4b": "black-forest-labs/FLUX.2-klein-base-4B",
+                    "flux2-klein-base-9b": "black-forest-labs/FLUX.2-klein-base-9B",
+                    "flux2-klein-4b": "black-forest-labs/FLUX.2-klein-4B",
+                    "flux2-klein-9b": "black-forest-labs/FLUX.2-klein-9B"},
+        "latent": flux2_latent, "mu": flux2_mu, "base_sigmas": linspace_sigmas, "encode": flux2_encode,
+        "velocity": flux2_velocity, "decode": flux2_decode, "lora_targets": flux2_lora_targets,
+        "blocks": flux_blocks, "guidance": lambda pipe: "embedded" if pipe.transformer.config.guidance_embeds
+        else "none" if getattr(pipe.config, "is_distilled", False) else "cfg", "negative": ""},
+    "zimage": {
+        "call_guidance": lambda g: f"guidance_scale={g}",
+        "pipelines": ("ZImagePipeline",), "transformers": ("ZImageTransformer2DModel",),
+        "aliases": {"z-image": "Tongyi-MAI/Z-Image", "z-image-turbo": "Tongyi-MAI/Z-Image-Turbo"},
+        "latent": zimage_latent,
+        "mu": lambda pipe, latent, steps: calculate_shift(latent[1] * latent[2] // 4, pipe.scheduler.config),
+        "base_sigmas": lambda steps: torch.linspace(1.0, 1 / steps, steps).tolist(),  # float32, as Z-Image
+        "encode": zimage_encode, "velocity": zimage_velocity, "decode": vae_decode,
+        "lora_targets": lambda t: ["attention.to_q", "attention.to_k", "attention.to_v", "attention.to_out.0",
+                                   "feed_forward.w1", "feed_forward.w2", "feed_forward.w3"],
+        "blocks": lambda t: [b for name in ZIMAGE_BLOCKS for b in getattr(t, name)],
+        "guidance": lambda pipe: "cfg0", "negative": ""},
+}
+
+
+def family_of(pipe) -> str | None:
+    """The FAMILIES key whose entry handles this pipeline's class, or None."""
+    name = type(pipe).__name__
+    return next((k for k, f in FAMILIES.items() if name in f["pipelines"]), None)
+
+
+def blocks(transformer) -> list:
+    """The blocks of a family's transformer (FSDP2-wrapped or not), in order."""
+    name = type(transformer).__name__.removeprefix("FSDP")
+    kind = next(k for k, f in FAMILIES.items() if name in f["transformers"])
+    return FAMILIES[kind]["blocks"](transformer)
+
+
+def sigmas(pipe, kind: str, *, num_steps: int, latent: tuple):
+    """The noise levels the pipeline itself samples with, then 0: a copy of its scheduler set as its
+    __call__ sets it (the family's base levels and mu)."""
+    entry = FAMILIES[kind]
+    scheduler = type(pipe.scheduler).from_config(pipe.scheduler.config)
+    mu = entry["mu"](pipe, latent, num_steps)
+    if entry["base_sigmas"] is None:
+        scheduler.set_timesteps(num_steps, mu=mu)
+    else:
+        scheduler.set_timesteps(sigmas=entry["base_sigmas"](num_steps), mu=mu)
+    return scheduler.sigmas.float().cpu()
+
