@@ -437,10 +437,10 @@ def test_copying_one_file_as_the_readme_says(tmp_path):
     assert learned.stderr.strip().splitlines()[-1].startswith("error: rewards.py is missing: copy this project's "
                                                               "rewards.py next to common.py"), learned.stderr[-500:]
     alias = run("--model", "toy", *small)
-    os.remove(project / "models.py")
-    assert "No module named 'models'" in run("--model", toy_model, *small).stderr
     os.remove(project / "rundir.py")
     assert "No module named 'rundir'" in run("--model", toy_model, *small).stderr
+    os.remove(project / "models.py")
+    assert "No module named 'models'" in run("--model", toy_model, *small).stderr
     assert alias.stderr.strip().splitlines()[-1].startswith(f"error: the toy model is not at "
                                                             f"'{project / 'toy' / 'flux-shapes'}': copy"), alias.stderr
 

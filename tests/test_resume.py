@@ -23,8 +23,7 @@ CASES = {  # name: (script, flags on top of tiny_flags at T = 4)
     "g2rpo": ("g2rpo.py", {"sde_steps": "0 1", "lambdas": "1 2", "updates_per_iteration": 2}),
     "mixgrpo_flash": ("mixgrpo.py", {"flash": True, "window_size": 2, "window_shift_interval": 3,
                                      "updates_per_iteration": 1}),
-    "diffusion_nft": ("diffusion_nft.py", {}),  # the old policy is part of the state
-    "awm": ("awm.py", {"train_timesteps": 2}),  # its KL-EMA weight set is in the checkpoint too
+    "awm": ("awm.py", {"train_timesteps": 2}),  # its KL-EMA copy in state.pt (DiffusionNFT's old policy: the same path)
 }
 
 
