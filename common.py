@@ -5,8 +5,9 @@ the order a port to another code base needs.
 1. Samplers, mini-batches and CoCA's credit: shifted_sigmas, dpm2_step (DiffusionNFT's sampler),
    sa_solver_update, sa_solver (AWM's), training_minibatches, rank_chunks, micro_batches (each rank's
    training terms), coca_credit (flow_grpo.py --credit coca; here so that its four children need not carry it)
-2. Model: load_pipeline, latent_shape, pipeline_sigmas, encode_prompts, select, velocity (NFE), velocities,
-   ode_complete, decode, make_trainable, shard, gathered, as_reference
+2. Model (what differs between families: models.FAMILIES): load_pipeline, check_guidance, latent_shape,
+   pipeline_sigmas, encode_prompts, select, velocity (NFE), velocities, ode_complete, decode, make_trainable,
+   shard, gathered, as_reference
 3. Rewards and prompts: RewardModels, loggable (secrets hidden), REWARD_FUNCTIONS (JPEG, your own),
    load_rewards (HPS-v2.1, CLIP score, PickScore, ImageReward, aesthetic, UnifiedReward, OCR, GenEval, DeQA:
    rewards.py; the toy world's), score, load_prompt_set
@@ -666,7 +667,7 @@ ARG_RANGES = {
     "lora_rank": ">= 1", "lora_alpha": "> 0", "learning_rate": "> 0", "weight_decay": ">= 0",
     "max_grad_norm": "> 0", "updates_per_iteration": ">= 1", "ema_decay": "[0, 1)", "ema_every": ">= 1",
     "num_iterations": ">= 1", "eval_every": ">= 0", "eval_num": ">= 1", "save_every": ">= 0",
-    "keep_checkpoints": ">= 0", "log_images_every": ">= 0",
+    "keep_checkpoints": ">= 0", "log_images_every": ">= 0", "reward_timeout": "> 0", "reward_retries": ">= 0",
     # algorithm specific: CoCA, DenseGRPO, G2RPO, MixGRPO, DiffusionNFT, AWM
     "coca_window": ">= 1", "coca_alpha": "[0, 1]", "dense_ode_steps": ">= 1", "eps1": "> 0", "eps2": "> 0",
     "psi_range": "[0, 10]", "sde_steps": ">= 0", "lambdas": ">= 1", "window_size": ">= 1",
@@ -719,6 +720,7 @@ def check_common_args(args, world: int):
     if args.group_size < 2:
         fail(f"--group-size {args.group_size} is not allowed; GRPO needs at least 2 images per prompt")
     check_ranges(args, ARG_RANGES)
+    check_ranges(args.reward_models, ARG_RANGES)  # --reward-timeout, --reward-retries
     if args.prompts_per_iteration % world:
         fail(f"--prompts-per-iteration {args.prompts_per_iteration} is not a positive multiple of the world "
              f"size {world}")

@@ -251,6 +251,7 @@ def check_args(args) -> tuple[list[dict], list[tuple[str, int]]]:
     """Every check that needs no model: the entries to score ({"name", "path", "weights", "iteration"}) and
     the pairs (prompt, noise seed), or a one-line error."""
     check_ranges(args, ARG_RANGES)
+    check_ranges(args.reward_models, ARG_RANGES)
     if not args.base and not args.checkpoints:
         fail("nothing to evaluate: pass --checkpoints, or keep --base")
     if os.path.isfile(args.out):

@@ -613,7 +613,8 @@ def post(url: str, body: bytes, headers: dict, *, until: float, retries: int, wh
 
     def attempt(box: dict):
         try:
-            with opener.open(request, timeout=max(0.1, min(120.0, until - time.monotonic()))) as response:
+            # a socket timeout past the deadline: the watchdog, not the socket, ends a try that reaches it
+            with opener.open(request, timeout=min(120.0, until - time.monotonic() + 1.0)) as response:
                 box["answer"] = response.read()
         except BaseException as e:  # handed to the caller's thread
             box["error"] = e

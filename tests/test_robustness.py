@@ -274,3 +274,20 @@ def test_evaluate_checks_that_every_export_fits_before_scoring_anything(tiny, tm
                                f"model it was trained from"
     save_file(state, str(export / "diffusion_pytorch_model.safetensors"))
     evaluate.check_fits({"name": "x", "path": str(export), "weights": "transformer"}, base, "m")  # fits: no error
+
+
+@pytest.mark.parametrize("field,value,message", [("reward_timeout", 0.0, "--reward-timeout 0.0 is not allowed; use a value > 0"),
+                                                 ("reward_retries", -1, "--reward-retries -1 is not allowed; use a value >= 0")])
+def test_the_reward_server_flags_are_checked(field, value, message):
+    import dataclasses
+
+    import evaluate
+    import flow_grpo
+    from helpers import check_args
+    models = dataclasses.replace(flow_grpo.Args().reward_models, **{field: value})
+    with pytest.raises(SystemExit) as e:
+        check_args(flow_grpo, reward_models=models)
+    assert str(e.value) == f"error: {message}"
+    with pytest.raises(SystemExit) as e:
+        evaluate.check_args(dataclasses.replace(evaluate.Args(), reward_models=models))
+    assert str(e.value) == f"error: {message}"
