@@ -90,13 +90,13 @@ CASES = {  # file: flags on top of tiny_flags (4 steps), as tests/test_resume.py
 @pytest.mark.parametrize("name", FAMILIES)
 @pytest.mark.parametrize("script", CASES)
 def test_every_file_trains_every_family_with_lora(family_dirs, tmp_path, script, name):
-    """One iteration, LoRA, the evaluation before and after; the rollout NFE is the file's planned_nfe."""
-    flags = dict(CASES[script], num_iterations=1, eval_every=1, eval_num=2, log_images_every=0, save_every=1)
+    """One iteration with LoRA and a checkpoint; the rollout NFE is the file's planned_nfe."""
+    flags = dict(CASES[script], num_iterations=1, eval_every=0, log_images_every=0, save_every=1)
     proc = run_script(script, tiny_flags(family_dirs[name], family_dirs["prompts"], tmp_path, **flags))
     run, m = read_metrics(tmp_path)
     assert m[1]["perf/nfe_rollout_per_prompt"] == m[1]["perf/nfe_min_per_prompt"] > 0
     assert os.path.isfile(os.path.join(run, "checkpoints", "iter_1", "lora", "pytorch_lora_weights.safetensors"))
-    assert {"eval/jpeg", "train/grad_norm"} <= set(m[1]) and m[1]["train/grad_norm"] > 0
+    assert m[1]["train/grad_norm"] > 0  # (the evaluation's sampler: test_the_sampler_reproduces_the_pipeline)
     assert f"from diffusers import {type_name(name)}" in proc.stdout  # the summary's loading snippet
 
 

@@ -17,20 +17,21 @@ pytestmark = pytest.mark.slow
 # results/compare.py's seed 0). Each run is as short as keeps its gain clear of its SE (the threshold below, never
 # lowered); longer runs are in results/ (e.g. Flow-GRPO: +0.9 SE after 10 iterations, +1.5 after 20, +3.2 after 60):
 # flow_grpo (8 prompts, 5 iterations): +0.0077 +- 0.0034 (+2.2 SE); with --credit coca +0.0063 +- 0.0040 (+1.6 SE)
-# dancegrpo (8 prompts, 5 iterations): +0.0063 +- 0.0030 (+2.1 SE); mixgrpo (8 prompts, 15 iterations): +2.9 SE
-# g2rpo (Lambda = {1, 2}, 4 prompts, 8 iterations, 8 optimizer steps per iteration at lr 1.25e-5): +0.0084 +- 0.0027
-#   (+3.1 SE; 10 iterations: +4.2, 6: +0.9); at lr 1e-4 with 8 steps per iteration it fell (-0.024 +- 0.009), hence
-#   the TOY preset's lr 1.25e-5; mixgrpo at 10 iterations: +0.9 SE
+# dancegrpo (8 prompts, 5 iterations): +0.0063 +- 0.0030 (+2.1 SE); mixgrpo (8 prompts, 12 iterations): +0.0069 +-
+#   0.0043 (+1.6 SE; 15: +2.9, 10: +0.9)
+# g2rpo (Lambda = {1, 2}, 4 prompts, 7 iterations, 8 optimizer steps per iteration at lr 1.25e-5): +0.0062 +- 0.0023
+#   (+2.7 SE; 8 iterations: +3.1, 10: +4.2, 6: +0.9); at lr 1e-4 with 8 steps per iteration it fell (-0.024 +- 0.009), hence
+#   the TOY preset's lr 1.25e-5
 # densegrpo (n = t, 4 prompts, 5 iterations): +0.0061 +- 0.0039 (+1.6 SE)
 # diffusion_nft (8 prompts, 4 iterations, half of the 16 timesteps per sample): +0.0088 +- 0.0051 (+1.7 SE; 6: +3.5)
 # awm (8 prompts, 6 iterations, beta 0.04, ema_beta 1, lr 1e-4): +0.0102 +- 0.0063 (+1.6 SE; 8: +3.4)
 CASES = {  # name: (script, iterations, flags)
-    "g2rpo": ("g2rpo.py", 8, ["--lambdas", "1", "2"]),
+    "g2rpo": ("g2rpo.py", 7, ["--lambdas", "1", "2"]),
     "densegrpo": ("densegrpo.py", 5, ["--prompts-per-iteration", "4"]),
     "flow_grpo": ("flow_grpo.py", 5, []),
     "flow_grpo_coca": ("flow_grpo.py", 5, ["--credit", "coca"]),
     "dancegrpo": ("dancegrpo.py", 5, []),
-    "mixgrpo": ("mixgrpo.py", 15, []),
+    "mixgrpo": ("mixgrpo.py", 12, []),
     "diffusion_nft": ("diffusion_nft.py", 4, []),
     "awm": ("awm.py", 6, []),
 }

@@ -16,11 +16,9 @@ from helpers import ROOT, read_metrics, run_script, tiny_flags
 pytestmark = pytest.mark.slow
 
 ITERATIONS = 4
-CASES = {  # name: (script, flags on top of tiny_flags at T = 4)
+CASES = {  # name: (script, flags on top of tiny_flags at T = 4); DanceGRPO's lineage: MixGRPO-Flash (its window moves)
     "flow_grpo": ("flow_grpo.py", {}),
     "densegrpo": ("densegrpo.py", {"dense_ode_steps": 2}),
-    "dancegrpo": ("dancegrpo.py", {"updates_per_iteration": 1}),
-    "g2rpo": ("g2rpo.py", {"sde_steps": "0 1", "lambdas": "1 2", "updates_per_iteration": 2}),
     "mixgrpo_flash": ("mixgrpo.py", {"flash": True, "window_size": 2, "window_shift_interval": 3,
                                      "updates_per_iteration": 1}),
     "awm": ("awm.py", {"train_timesteps": 2}),  # its KL-EMA copy in state.pt (DiffusionNFT's old policy: the same path)
