@@ -20,6 +20,7 @@ which imports this module.
 """
 import contextlib
 import dataclasses
+import gc
 import io
 import json
 import math
@@ -226,11 +227,28 @@ def load_pipeline(model: str, device, *, dtype=torch.float32):
         fail(f"model {model!r} is a {type(pipe).__name__}; the pipelines this project trains are "
              f"{', '.join(known)} (docs/models.md: adding a family)")
     pipe.set_progress_bar_config(disable=True)
-    for name in ("vae", "text_encoder", "text_encoder_2", "text_encoder_3", "transformer"):
+    place(pipe, device)
+    return pipe, kind
+
+
+TEXT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3")
+
+
+def drop_text_encoders(pipe):
+    """The text encoders out of the pipeline and out of memory (every embedding the run needs is computed)."""
+    for name in TEXT_ENCODERS:
+        if getattr(pipe, name, None) is not None:
+            setattr(pipe, name, None)
+    gc.collect()
+
+
+def place(pipe, device):
+    """The transformer and the VAE on `device`, frozen; the text encoders on the CPU (they visit `device` in
+    encode_prompts)."""
+    for name in ("vae", *TEXT_ENCODERS, "transformer"):
         module = getattr(pipe, name, None)
         if module is not None:
-            module.requires_grad_(False).eval().to("cpu" if name.startswith("text") else device)
-    return pipe, kind
+            module.requires_grad_(False).eval().to("cpu" if name in TEXT_ENCODERS else device)
 
 
 def check_guidance(pipe, kind: str, guidance: float):
@@ -255,14 +273,17 @@ def pipeline_sigmas(pipe, kind: str, *, num_steps: int, shape: tuple) -> torch.T
 
 @torch.no_grad()
 def encode_prompts(pipe, kind: str, prompts: list[str], *, max_sequence_length: int, cfg: float = 1.0,
-                   chunk: int = 16) -> dict:
+                   chunk: int = 16, device=None) -> dict:
     """Text embeddings of each prompt (index them to repeat a prompt for its group), `chunk` prompts at a
-    time, with the negative prompt's where `cfg` (--guidance) turns true CFG on; the text encoders visit the
-    transformer's device once per call."""
-    device = pipe.transformer.device
-    encoders = [getattr(pipe, n) for n in ("text_encoder", "text_encoder_2", "text_encoder_3")
-                if getattr(pipe, n, None) is not None]
-    for m in encoders:
+    time, with the negative prompt's where `cfg` (--guidance) turns true CFG on; the text encoders visit
+    `device` (default: the transformer's) once per call. A pipeline with a text cache (--text-cache,
+    rundir.fill_text_cache) reads them from disk instead."""
+    device = device or pipe.transformer.device
+    if getattr(pipe, "text_cache", None) is not None:
+        return {k: v.to(device) for k, v in pipe.text_cache(prompts).items()}
+    encoders = [getattr(pipe, n) for n in TEXT_ENCODERS if getattr(pipe, n, None) is not None]
+    visiting = [m for m in encoders if m.device != torch.device(device)]  # back to the CPU afterwards
+    for m in visiting:
         m.to(device)
     try:
         parts = [FAMILIES[kind]["encode"](pipe, prompts[start:start + chunk], guidance=cfg, device=device,
@@ -270,7 +291,7 @@ def encode_prompts(pipe, kind: str, prompts: list[str], *, max_sequence_length: 
                  for start in range(0, len(prompts), chunk)]
         return {k: torch.cat([part[k] for part in parts]) for k in parts[0]}
     finally:
-        for m in encoders:
+        for m in visiting:
             m.to("cpu")
 
 
@@ -733,6 +754,8 @@ def check_common_args(args, world: int):
     if args.resume and not os.path.isdir(args.resume):
         fail(f"--resume {args.resume!r} is not a directory; pass a run directory (runs/<run_name>)")
     check_output_path(args.output_dir, flag="--output-dir", directory=True)
+    if args.text_cache:
+        check_output_path(args.text_cache, flag="--text-cache", directory=True)
 
 
 RENDEZVOUS_TIMEOUT = 300  # seconds a torchrun rank waits for the others; $RENDEZVOUS_TIMEOUT overrides

@@ -45,7 +45,9 @@ class Args:
     resolution: int = 512
     """image height and width in pixels"""
     max_sequence_length: int = 128
-    """T5 prompt length in tokens"""
+    """prompt length in tokens (T5's, or the family's text encoder's)"""
+    text_cache: str | None = None
+    """a directory of text embeddings, each prompt encoded once before training; no text encoder is kept"""
     guidance: float = 4.5
     """classifier-free guidance scale (SD3, empty negative prompt) or guidance embedding (Flux)"""
 

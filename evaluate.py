@@ -41,9 +41,10 @@ import torch
 import tyro
 
 from common import (ARG_RANGES, MODEL_ALIASES, RewardModels, broadcast_object, check_guidance,
-                    check_output_path, check_ranges, check_rewards, close_distributed, decode, encode_prompts,
-                    fail, gather_cat, latent_shape, load_pipeline, load_prompt_set, load_rewards, loggable,
-                    ode_complete, parse_args, pipeline_sigmas, score, setup_distributed)
+                    check_output_path, check_ranges, check_rewards, close_distributed, decode,
+                    drop_text_encoders, encode_prompts, fail, gather_cat, latent_shape, load_pipeline,
+                    load_prompt_set, load_rewards, loggable, ode_complete, parse_args, pipeline_sigmas, place,
+                    score, setup_distributed)
 from rundir import decimals, latest_checkpoint, paired_change, write_atomically
 
 
@@ -331,7 +332,7 @@ if __name__ == "__main__":
     compute_dtype = torch.bfloat16 if use_bf16 else torch.float32
     # the metrics first: a reward file that cannot be read fails before the large model loads
     rewards = load_rewards(args.metrics, device, models=args.reward_models, dtype=torch.float32)
-    pipe, kind = load_pipeline(args.model, device, dtype=compute_dtype)
+    pipe, kind = load_pipeline(args.model, "cpu", dtype=compute_dtype)  # the text encoders first, alone
     check_guidance(pipe, kind, args.guidance)
     base = pipe.transformer
     for entry in entries:  # before anything is scored
@@ -345,7 +346,10 @@ if __name__ == "__main__":
     mine = [pairs[min(k, len(pairs) - 1)] for k in range(rank * share, (rank + 1) * share)]
     prompts = [p for p, _ in mine]
     noise = torch.stack([torch.randn(C, H, W, generator=torch.Generator().manual_seed(s)) for _, s in mine])
-    emb = encode_prompts(pipe, kind, prompts, max_sequence_length=args.max_sequence_length, cfg=args.guidance)
+    emb = encode_prompts(pipe, kind, prompts, max_sequence_length=args.max_sequence_length, cfg=args.guidance,
+                         device=device)
+    drop_text_encoders(pipe)  # every prompt is encoded: no text encoder is kept (FLUX.2 [dev]'s: 23B)
+    place(pipe, device)
 
     all_scores = []
     for entry in entries:

@@ -9,11 +9,14 @@ for the state a run carries, in the order of a run.
    load_state
 3. Sample grids and the end-of-run summary: image_grid, save_eval_grid, paired_change, run_summary
 4. DenseGRPO's psi(t) file (--calibrate writes it, --psi reads it): psi_path, save_psi, load_psi
+5. The text cache (--text-cache): fill_text_cache, read_text_cache
 
 Only the algorithm files, evaluate.py and the scripts import it; it imports common.py (never the other way).
 """
 import contextlib
 import dataclasses
+import functools
+import hashlib
 import io
 import json
 import math
@@ -26,11 +29,12 @@ import time
 import torch
 import torch.distributed as dist
 
-from common import (FAMILIES, MODEL_ALIASES, NFE, broadcast_object, check_guidance, close_distributed, decode,
-                    ema_update, encode_prompts, fail, family_of, gather_cat, gathered, is_main_rank,
-                    latent_shape, load_pipeline, load_prompt_set, load_rewards, loggable, make_trainable,
-                    max_over_ranks, ode_complete, optimizer_step, pipeline_sigmas, score, seed_everything,
-                    setup_distributed, sum_over_ranks, swapped_in)
+from common import (FAMILIES, MODEL_ALIASES, NFE, TEXT_ENCODERS, broadcast_object, check_guidance,
+                    close_distributed, decode, drop_text_encoders, ema_update, encode_prompts, fail,
+                    family_of, gather_cat, gathered, is_main_rank, latent_shape, load_pipeline,
+                    load_prompt_set, load_rewards, loggable, make_trainable, max_over_ranks, ode_complete,
+                    optimizer_step, pipeline_sigmas, place, score, seed_everything, setup_distributed,
+                    sum_over_ranks, swapped_in)
 
 
 # ======== 0. The run ========
@@ -75,8 +79,12 @@ def start_run(args, *, script: str, check_args, planned_nfe, reference: bool, co
         f"{args.model}")
     eval_fns = load_rewards(args.rewards + args.eval_rewards, device, models=args.reward_models,
                             dtype=compute_dtype)
-    pipe, kind = load_pipeline(args.model, device, dtype=compute_dtype)
+    pipe, kind = load_pipeline(args.model, "cpu" if args.text_cache else device, dtype=compute_dtype)
     check_guidance(pipe, kind, args.guidance)
+    if args.text_cache:  # each prompt encoded once, the text encoders alone on the device; then none is kept
+        fill_text_cache(pipe, kind, train_prompts + eval_prompts[:args.eval_num], directory=args.text_cache,
+                        device=device, max_sequence_length=args.max_sequence_length, cfg=args.guidance)
+        place(pipe, device)
     shape = latent_shape(pipe, kind, args.resolution)
     sharded = args.full_finetune and world > 1  # FSDP2; LoRA runs average their gradients (DDP style)
     lora = None if args.full_finetune else (args.lora_rank, args.lora_alpha)
@@ -779,3 +787,129 @@ def load_psi(path: str, num_steps: int) -> list[float]:
     if len(psi) != num_steps:
         fail(f"--psi {path!r} has {len(psi)} values; --num-steps {num_steps} needs one per step")
     return [float(p) for p in psi]
+
+
+# ======== 5. The text cache (--text-cache): each prompt encoded once, no text encoder kept ========
+# A file per prompt (its embeddings, a padded one cut to its tokens), the negative prompt's once, and
+# meta.json (what the embeddings depend on). Runs of one model and --max-sequence-length share a directory.
+def text_cache_file(directory: str, prompt: str) -> str:
+    return os.path.join(directory, hashlib.sha256(prompt.encode()).hexdigest()[:40] + ".safetensors")
+
+
+def text_fingerprint(pipe, kind: str, max_sequence_length: int) -> dict:
+    """The family, a hash of each text encoder's configuration and each tokenizer's class and size."""
+    encoders = {}
+    for name in TEXT_ENCODERS:
+        if getattr(pipe, name, None) is not None:
+            config = {k: v for k, v in getattr(pipe, name).config.to_dict().items()
+                      if k not in ("_name_or_path", "transformers_version", "torch_dtype", "dtype")}
+            text = json.dumps(config, sort_keys=True, default=str)
+            encoders[name] = hashlib.sha256(text.encode()).hexdigest()
+    tokenizers = [f"{type(t).__name__} {len(t)}" for n in ("tokenizer", "tokenizer_2", "tokenizer_3")
+                  if (t := getattr(pipe, n, None)) is not None]
+    return {"family": kind, "text_encoders": encoders, "tokenizers": tokenizers,
+            "max_sequence_length": max_sequence_length}
+
+
+def cache_rows(emb: dict) -> tuple[list[dict], list[str]]:
+    """Each row of an embedding dict, its masked embeddings cut to their tokens (mask left out), and the keys
+    so cut; the families pad their rows at the end (models.padded)."""
+    masked = [k for k in emb if k.endswith("embeds") and k[:-6] + "mask" in emb]
+    rows = []
+    for i in range(len(next(iter(emb.values())))):
+        row = {k: emb[k][i, :int(emb[k[:-6] + "mask"][i].sum())] if k in masked else v[i]
+               for k, v in emb.items() if not (k.endswith("mask") and k[:-4] + "embeds" in masked)}
+        rows.append({k: v.contiguous().cpu() for k, v in row.items()})
+    return rows, masked
+
+
+def save_row(path: str, row: dict):
+    from safetensors.torch import save_file
+
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        save_file(row, tmp)
+        os.replace(tmp, path)
+    except Exception as e:  # a full disk, a read-only directory: safetensors says it in words
+        why = getattr(e, "strerror", None) or str(e).strip().splitlines()[0][:120]
+        fail(f"cannot write the text cache {path!r} ({why}); free space or pass another --text-cache")
+    finally:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+
+
+def fill_text_cache(pipe, kind: str, prompts: list[str], *, directory: str, device, max_sequence_length: int,
+                    cfg: float):
+    """Every prompt not yet in `directory` encoded once (rank r its r-th share, then each rank what it still
+    cannot see: a directory local to each node), the text encoders alone on `device`; then they leave the
+    pipeline, and encode_prompts reads the files (read_text_cache)."""
+    from safetensors.torch import load_file
+
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    chunk = 16  # prompts per encoder call
+    encode = functools.partial(encode_prompts, pipe, kind, max_sequence_length=max_sequence_length, cfg=cfg,
+                               device=device)
+    unique = list(dict.fromkeys(prompts))
+    for name in TEXT_ENCODERS:  # on the device until they are dropped (encode_prompts leaves them there)
+        if getattr(pipe, name, None) is not None:
+            getattr(pipe, name).to(device)
+    rows, masked = cache_rows(encode(unique[:1]))  # which embeddings this run uses, the negative prompt's
+    meta, negative = text_fingerprint(pipe, kind, max_sequence_length), os.path.join(directory, "negative")
+    meta_path = os.path.join(directory, "meta.json")
+    if rank == 0:
+        with stop_on_write_error(directory):
+            os.makedirs(directory, exist_ok=True)
+            if not os.path.exists(meta_path):
+                write_atomically(meta_path, json.dumps(meta, indent=1))
+    if dist.is_initialized():
+        dist.barrier()
+    with open(meta_path) as f:
+        found = json.load(f)
+    if found != meta:
+        what = {"family": f"model family ({found.get('family')})", "text_encoders": "text encoder",
+                "tokenizers": "tokenizer", "max_sequence_length": f"--max-sequence-length "
+                f"({found.get('max_sequence_length')})"}
+        differ = [what[k] for k in meta if found.get(k) != meta[k]]
+        fail(f"--text-cache {directory!r} holds the embeddings of another {', '.join(differ)}; pass an empty "
+             f"or a new directory")
+    neg = {k: v for k, v in rows[0].items() if k.startswith("neg_")}
+    if neg and not os.path.exists(negative + ".safetensors"):
+        save_row(negative + ".safetensors", neg)
+    for share in (True, False):
+        missing = [p for p in unique if not os.path.exists(text_cache_file(directory, p))]
+        mine = missing[rank::world] if share else missing
+        if share and rank == 0:
+            say(f"encoding {len(missing)} prompts into the text cache {directory} "
+                f"({len(unique) - len(missing)} there already)")
+        for start in progress_bar(iterable=range(0, len(mine), chunk), desc="text cache", inner=True):
+            part = mine[start:start + chunk]
+            for prompt, row in zip(part, cache_rows(encode(part))[0]):
+                save_row(text_cache_file(directory, prompt), {k: v for k, v in row.items()
+                                                              if not k.startswith("neg_")})
+        if share and dist.is_initialized():
+            dist.barrier()
+    neg = load_file(negative + ".safetensors") if neg else {}
+    drop_text_encoders(pipe)
+    pipe.text_cache = functools.partial(read_text_cache, directory, masked=masked, negative=neg,
+                                        length=max_sequence_length)
+
+
+def read_text_cache(directory: str, prompts: list[str], *, masked: list, negative: dict, length: int) -> dict:
+    """encode_prompts' embeddings of `prompts` from the files fill_text_cache wrote (bitwise the same)."""
+    from safetensors.torch import load_file
+
+    from models import padded
+    rows = []
+    for prompt in prompts:
+        path = text_cache_file(directory, prompt)
+        if not os.path.exists(path):
+            fail(f"prompt {prompt[:60]!r} is not in the text cache {directory!r} (a file was removed); run "
+                 f"again")
+        rows.append({**load_file(path), **negative})
+    out = {}
+    for k in rows[0]:
+        if k in masked:
+            out[k], out[k[:-6] + "mask"] = padded([r[k] for r in rows], length)
+        else:
+            out[k] = torch.stack([r[k] for r in rows])
+    return out

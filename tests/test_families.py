@@ -139,13 +139,14 @@ def test_the_exported_lora_loads_into_the_pipeline_and_resumes_bit_for_bit(famil
 @pytest.mark.parametrize("name", ["qwenimage"])  # its last block has modules no gradient reaches
 def test_full_fine_tuning_under_fsdp2_on_two_processes(family_dirs, tmp_path, name):
     """flow_grpo.py --full-finetune on 2 processes: FSDP2 over the family's blocks; the sharded export loads as the
-    family's transformer class and differs from the base."""
+    family's transformer class and differs from the base. The prompts go through a --text-cache the ranks fill."""
     from diffusers import DiffusionPipeline
 
     flags = dict(full_finetune=True, no_ema=True, prompts_per_iteration=4, num_iterations=1, eval_every=1, eval_num=2, log_images_every=0, save_every=1,
-                 learning_rate=1e-3)
+                 learning_rate=1e-3, text_cache=f"{tmp_path}_cache")  # the 2 ranks share the encoding
     run_script("flow_grpo.py", tiny_flags(family_dirs[name], family_dirs["prompts"], tmp_path, **flags), nproc=2)
     run, m = read_metrics(tmp_path)
+    assert len([f for f in os.listdir(f"{tmp_path}_cache") if len(f) == 52]) == len(PROMPTS)  # <sha>.safetensors
     assert m[1]["perf/nfe_rollout_per_prompt"] == m[1]["perf/nfe_min_per_prompt"]
     base = DiffusionPipeline.from_pretrained(family_dirs[name]).transformer
     trained = type(base).from_pretrained(os.path.join(run, "checkpoints", "iter_1", "transformer"))
@@ -184,3 +185,33 @@ def test_what_a_family_cannot_take_is_one_line(family_dirs, tmp_path, monkeypatc
         common.make_trainable(qwen.transformer, kind, lora=(4, 8), reference=False)
     assert str(e.value) == ("error: none of the LoRA targets ['attn.to_qkv', 'ff.linear_in'] is a linear layer of this "
                             "QwenImageTransformer2DModel; its family's lora_targets (models.py) must name layers it has")
+
+
+@pytest.mark.parametrize("name,guidance", [("qwenimage", 4.0), ("zimage", 4.0), ("flux2-klein", 4.0)])
+def test_the_text_cache_gives_the_encoders_embeddings(family_dirs, tmp_path, name, guidance):
+    """rundir.fill_text_cache: each prompt's file (a masked embedding cut to its tokens, the negative prompt's
+    once), then no text encoder in the pipeline and encode_prompts reads what the encoders gave, bit for bit;
+    another --max-sequence-length on the same directory and a prompt that is not there stop in one line."""
+    import rundir
+    pipe, kind = common.load_pipeline(family_dirs[name], torch.device("cpu"))
+    direct = common.encode_prompts(pipe, kind, PROMPTS, max_sequence_length=16, cfg=guidance)
+    assert any(k.startswith("neg_") for k in direct)  # true CFG: the negative prompt's embeddings as well
+    cache = str(tmp_path / "cache")
+    rundir.fill_text_cache(pipe, kind, PROMPTS + PROMPTS[:1], directory=cache, device=torch.device("cpu"),
+                           max_sequence_length=16, cfg=guidance)
+    assert pipe.text_encoder is None and sorted(os.listdir(cache)) == sorted(
+        [os.path.basename(rundir.text_cache_file(cache, p)) for p in PROMPTS] + ["meta.json", "negative.safetensors"])
+    cached = common.encode_prompts(pipe, kind, PROMPTS[::-1], max_sequence_length=16, cfg=guidance)
+    assert cached.keys() == direct.keys()
+    for k, v in direct.items():
+        assert cached[k].dtype == v.dtype and torch.equal(cached[k], v.flip(0)), k
+    with pytest.raises(SystemExit) as e:
+        common.encode_prompts(pipe, kind, ["a prompt of another set"], max_sequence_length=16, cfg=guidance)
+    assert str(e.value) == (f"error: prompt 'a prompt of another set' is not in the text cache {cache!r} (a file was "
+                            f"removed); run again")
+    again, _ = common.load_pipeline(family_dirs[name], torch.device("cpu"))
+    with pytest.raises(SystemExit) as e:
+        rundir.fill_text_cache(again, kind, PROMPTS, directory=cache, device=torch.device("cpu"),
+                               max_sequence_length=8, cfg=guidance)
+    assert str(e.value) == (f"error: --text-cache {cache!r} holds the embeddings of another --max-sequence-length "
+                            f"(16); pass an empty or a new directory")
