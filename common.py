@@ -404,10 +404,24 @@ def shard(model, *, param_dtype=None, mesh=None):
     fully_shard(model, mp_policy=MixedPrecisionPolicy(**policy), mesh=mesh, reshard_after_forward=True)
 
 
+GATHER_SHARE = 1 / 3  # of a GPU's memory that a sharded transformer's gathered weights may take (gathered)
+
+
+def fits_gathered(transformer) -> bool:
+    """Whether a sharded transformer's whole bf16 weights take at most GATHER_SHARE of its GPU (FLUX.1-dev's
+    22 GiB on an 80 GB card do, Qwen-Image's 38 GiB do not); on a CPU, always."""
+    device = next(transformer.parameters()).device
+    if device.type != "cuda":
+        return True
+    total = torch.cuda.get_device_properties(device).total_memory
+    return 2 * sum(p.numel() for p in transformer.parameters()) <= GATHER_SHARE * total
+
+
 @contextlib.contextmanager
 def gathered(transformer, *, sharded: bool):
-    """A sharded transformer's blocks kept gathered over no-grad forwards (a rollout), resharded after."""
-    blocks = transformer_blocks(transformer) if sharded else []
+    """A sharded transformer's blocks kept gathered over no-grad forwards (a rollout), resharded after; a
+    model too large for that (fits_gathered) gathers each block in each forward, FSDP2's default."""
+    blocks = transformer_blocks(transformer) if sharded and fits_gathered(transformer) else []
     for b in blocks:
         b.set_reshard_after_forward(False)
         b.unshard()

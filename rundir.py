@@ -33,7 +33,7 @@ from common import (FAMILIES, MODEL_ALIASES, NFE, TEXT_ENCODERS, broadcast_objec
                     close_distributed, decode, drop_text_encoders, ema_update, encode_prompts, fail,
                     family_of, gather_cat, gathered, is_main_rank, latent_shape, load_pipeline,
                     load_prompt_set, load_rewards, loggable, make_trainable, max_over_ranks, ode_complete,
-                    optimizer_step, pipeline_sigmas, place, score, seed_everything, setup_distributed,
+                    optimizer_step, pipeline_sigmas, score, seed_everything, setup_distributed,
                     sum_over_ranks, swapped_in)
 
 
@@ -79,18 +79,23 @@ def start_run(args, *, script: str, check_args, planned_nfe, reference: bool, co
         f"{args.model}")
     eval_fns = load_rewards(args.rewards + args.eval_rewards, device, models=args.reward_models,
                             dtype=compute_dtype)
-    pipe, kind = load_pipeline(args.model, "cpu" if args.text_cache else device, dtype=compute_dtype)
+    sharded = args.full_finetune and world > 1  # FSDP2; LoRA runs average their gradients (DDP style)
+    # on the CPU first: for the text cache's encoders, and for FSDP2, which moves each block's shards to the
+    # GPU as it shards it (the whole model, and a reference copy, never sit on one GPU)
+    on_cpu = bool(args.text_cache) or sharded
+    pipe, kind = load_pipeline(args.model, "cpu" if on_cpu else device, dtype=compute_dtype)
     check_guidance(pipe, kind, args.guidance)
     if args.text_cache:  # each prompt encoded once, the text encoders alone on the device; then none is kept
         fill_text_cache(pipe, kind, train_prompts + eval_prompts[:args.eval_num], directory=args.text_cache,
                         device=device, max_sequence_length=args.max_sequence_length, cfg=args.guidance)
-        place(pipe, device)
     shape = latent_shape(pipe, kind, args.resolution)
-    sharded = args.full_finetune and world > 1  # FSDP2; LoRA runs average their gradients (DDP style)
     lora = None if args.full_finetune else (args.lora_rank, args.lora_alpha)
     params, ref_model = make_trainable(pipe.transformer, kind, lora=lora, reference=reference,
                                        sharded=sharded, compute_dtype=compute_dtype,
                                        checkpointing=args.gradient_checkpointing)
+    if on_cpu:  # the rest of what load_pipeline left on the CPU (the parameters stay the same objects)
+        for module in [pipe.vae] + ([] if sharded else [pipe.transformer]):
+            module.to(device)
     optimizer = torch.optim.AdamW(params.values(), lr=args.learning_rate, betas=(0.9, 0.999),
                                   weight_decay=args.weight_decay, eps=1e-8)
     ema = [p.detach().float().clone() for p in params.values()] if args.ema else None
@@ -805,7 +810,8 @@ def text_fingerprint(pipe, kind: str, max_sequence_length: int) -> dict:
                       if k not in ("_name_or_path", "transformers_version", "torch_dtype", "dtype")}
             text = json.dumps(config, sort_keys=True, default=str)
             encoders[name] = hashlib.sha256(text.encode()).hexdigest()
-    tokenizers = [f"{type(t).__name__} {len(t)}" for n in ("tokenizer", "tokenizer_2", "tokenizer_3")
+    tokenizers = [f"{type(t).__name__} {len(getattr(t, 'tokenizer', t))}"  # FLUX.2 [dev]: a processor
+                  for n in ("tokenizer", "tokenizer_2", "tokenizer_3")
                   if (t := getattr(pipe, n, None)) is not None]
     return {"family": kind, "text_encoders": encoders, "tokenizers": tokenizers,
             "max_sequence_length": max_sequence_length}

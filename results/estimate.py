@@ -9,8 +9,14 @@ and the CLIP score, PickScore's CLIP-H, ImageReward's BLIP, the aesthetic predic
 under `FakeTensorMode`: shapes and dtypes only, no data, no memory. Full fine-tuning is sharded by
 `common.make_trainable` itself (FSDP2, bf16 compute, float32 master shards) over a fake process group of the
 command's world size; LoRA runs hold bf16 frozen weights and float32 adapters, also from `make_trainable`.
+The newer families of models.py are built too (`architectures`: Qwen-Image with Qwen2.5-VL-7B, FLUX.2 [dev]
+with Mistral-Small-3.1-24B, FLUX.2 [klein] 4B / 9B with Qwen3-4B / 8B, Z-Image with Qwen3-4B; the --model
+aliases in ARCHITECTURE), each run through its family's own velocity, decoding and embeddings (every prompt
+counted at --max-sequence-length tokens where the family cuts them to the longest: an upper bound).
 One iteration's phases then run on one rank with the shapes the file uses:
-- encode: the text encoders on the GPU for 16 prompts (`common.encode_prompts`' chunk);
+- encode: the text encoders on the GPU for 16 prompts (`common.encode_prompts`' chunk), called as the pipelines
+  call them; with --text-cache only the embeddings, read from disk (the start-up's fill measured apart: the
+  text encoders alone on the GPU with the reward models, encoding 16 prompts);
 - rollout: what the file keeps for the whole iteration (every latent, the log-probs, the sampler's velocities
   where it keeps them, the images, G2RPO's anchors, DenseGRPO's completions), `common.gathered` weights, one
   no-grad `common.velocity` forward of a micro-batch and `common.ode_complete`'s buffers;
@@ -38,6 +44,7 @@ import math
 import os
 import sys
 import time
+import types
 
 import torch
 
@@ -48,6 +55,8 @@ GIB = 2**30
 # The README's command lines: (name, script, arguments, GPUs). Single-GPU entry points come last.
 LORA_1GPU = ("--prompts-per-iteration 1 --no-full-finetune --lora-rank 64 --lora-alpha 128 "
              "--learning-rate 1e-4 --eval-num 64")
+QWEN = "--model qwen-image --guidance 4 --lora-rank 64 --lora-alpha 128 --max-sequence-length 256"
+KLEIN9 = "--model flux2-klein-base-9b --guidance 4 --lora-rank 64 --lora-alpha 128"
 COMMANDS = [
     ("Flow-GRPO, SD3.5-M, PickScore (LoRA)", "flow_grpo", "", 8),
     ("Flow-GRPO, FLUX.1-dev, PickScore (LoRA)", "flow_grpo", "--model flux-dev --num-steps 6 --eval-steps 28 "
@@ -65,6 +74,20 @@ COMMANDS = [
      "--full-finetune --no-ema", 8),
     ("AWM, SD3.5-M, PickScore (LoRA)", "awm", "", 8),
     ("AWM, FLUX.1-dev, PickScore (LoRA)", "awm", "--model flux-dev --eval-steps 28 --guidance 3.5", 8),
+    # the newer families (models.py), LoRA r64 as verl's Qwen-Image recipe (docs/flow_grpo.md)
+    ("Flow-GRPO, Qwen-Image, OCR (LoRA, verl's recipe)", "flow_grpo", "--model qwen-image --guidance 4 "
+     "--lora-rank 64 --lora-alpha 128 --learning-rate 3e-4 --prompts-per-iteration 32 --group-size 16 "
+     "--max-sequence-length 256 --noise-level 1.2 --rewards ocr", 8),
+    ("DiffusionNFT, Qwen-Image, PickScore (LoRA)", "diffusion_nft", QWEN, 8),
+    ("AWM, Qwen-Image, PickScore (LoRA)", "awm", QWEN, 8),
+    ("Flow-GRPO, FLUX.2 [klein] base 9B, PickScore (LoRA)", "flow_grpo", KLEIN9, 8),
+    ("DiffusionNFT, FLUX.2 [klein] base 9B, PickScore (LoRA)", "diffusion_nft", KLEIN9, 8),
+    ("AWM, FLUX.2 [klein] base 9B, PickScore (LoRA)", "awm", KLEIN9, 8),
+    ("Flow-GRPO, Qwen-Image, PickScore (full FT)", "flow_grpo", "--model qwen-image --guidance 4 "
+     "--max-sequence-length 256 --full-finetune --no-ema", 8),
+    # FLUX.2 [dev]'s 60 GiB of bf16 weights leave room for rank 32 and micro-batches of 2 (r64 and 12: 86 GiB)
+    ("Flow-GRPO, FLUX.2 [dev], PickScore (LoRA r32, micro-batch 2, text cache)", "flow_grpo", "--model flux2-dev "
+     "--guidance 4 --lora-rank 32 --lora-alpha 64 --micro-batch 2 --text-cache /cache/flux2-dev", 8),
     ("1 GPU: Flow-GRPO, SD3.5-M (LoRA)", "flow_grpo", "--prompts-per-iteration 2 --eval-num 64", 1),
     ("1 GPU: Flow-GRPO + CoCA, SD3.5-M (LoRA)", "flow_grpo", "--credit coca --prompts-per-iteration 2 "
      "--eval-num 64", 1),
@@ -76,6 +99,9 @@ COMMANDS = [
     ("1 GPU: DiffusionNFT, FLUX.1-dev (LoRA)", "diffusion_nft", "--model flux-dev --guidance 3.5 --lora-rank 64 "
      "--lora-alpha 128 --prompts-per-iteration 1 --eval-num 64 --micro-batch 4", 1),
     ("1 GPU: AWM, SD3.5-M (LoRA)", "awm", "--prompts-per-iteration 1 --eval-num 64", 1),
+    ("1 GPU (24 GB): Flow-GRPO, FLUX.2 [klein] base 4B (LoRA, text cache)", "flow_grpo", "--model "
+     "flux2-klein-base-4b --guidance 4 --lora-rank 32 --lora-alpha 64 --prompts-per-iteration 1 --group-size 8 "
+     "--micro-batch 4 --eval-num 64 --text-cache /cache/klein4b", 1),
 ]
 # evaluate.py's evaluation of FLUX.1-dev, modelled with rundir.Run.evaluate's phases
 EVALUATE = dict(name="evaluate.py, FLUX.1-dev, 720 px, 50 steps, 400 prompts, 8 GPUs", kind="flux",
@@ -87,6 +113,15 @@ EVALUATIONS = [EVALUATE, {**EVALUATE, "name": "evaluate.py, FLUX.1-dev, 1024 px,
 REWARD_TABLE = ("hps", "clip", "pickscore", "imagereward", "aesthetic")  # the reward models' own table
 REWARD_BATCH = 12
 PEAK_TFLOPS = {"A100": 312, "H100": 989}  # dense bf16 tensor-core peaks (SXM)
+CARD_BYTES = 85.5e9  # what torch.cuda reports as an 80 GB card's total memory (H100 SXM)
+
+
+def fits_gathered(transformer) -> bool:
+    """common.fits_gathered on an 80 GB card: a rollout keeps a sharded model gathered only if its bf16 weights
+    take at most common.GATHER_SHARE of the card (FLUX.1-dev's do, Qwen-Image's do not)."""
+    import common
+
+    return 2 * sum(p.numel() for p in transformer.parameters()) <= common.GATHER_SHARE * CARD_BYTES
 MFU = 0.4
 # the phases of the main table, in order
 PHASES = ("encode", "rollout", "decode", "rewards", "training step", "optimizer step", "evaluation encode",
@@ -94,25 +129,82 @@ PHASES = ("encode", "rollout", "decode", "rewards", "training step", "optimizer 
 
 
 # -------------------------------------------------------- architectures (the released checkpoints' configs)
+# --model alias -> the architecture that architectures() builds (the family is models.FAMILIES' by its aliases)
+ARCHITECTURE = {"sd3.5-medium": "sd3", "flux-dev": "flux", "qwen-image": "qwen-image", "flux2-dev": "flux2-dev",
+                "flux2-klein-base-4b": "klein-4b", "flux2-klein-4b": "klein-4b",
+                "flux2-klein-base-9b": "klein-9b", "flux2-klein-9b": "klein-9b",
+                "z-image": "z-image", "z-image-turbo": "z-image"}
+DISTILLED = ("flux2-klein-4b", "flux2-klein-9b")  # Flux2KleinPipeline(is_distilled=True): no CFG, no guidance
+# published parameters (../shared/reference/models_2026.md; Qwen3-8B's model card: 8.2B, the reference's 7.6B
+# leaves out its untied head): transformer, text encoders, VAE
+PUBLISHED = {"qwen-image": (20.4e9, 8.3e9, 0.13e9), "flux2-dev": (32.2e9, 23.3e9, 0.08e9),
+             "klein-4b": (3.9e9, 4.0e9, 0.08e9), "klein-9b": (9e9, 8.2e9, 0.08e9), "z-image": (6.15e9, 4.0e9, 0.08e9)}
+TEXT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3")
+
+
+def model_architecture(model: str) -> tuple:
+    """(models.FAMILIES key, architecture) of a --model alias; the estimate builds released configs only."""
+    from models import FAMILIES
+
+    family = next((k for k, f in FAMILIES.items() if model in f["aliases"]), None)
+    if family is None or model not in ARCHITECTURE:
+        raise SystemExit(f"error: the estimator builds the released architectures of {sorted(ARCHITECTURE)}; "
+                         f"--model {model!r} is none of them")
+    return family, ARCHITECTURE[model]
+
+
 def _bos_eos(**kw):  # token ids of toy/tiny.py's word tokenizers (pad 0, bos 1, eos 3) for random models
     return dict(pad_token_id=0, bos_token_id=1, eos_token_id=3, **kw)
 
 
-def architectures(kind: str, *, tiny: bool):
-    """(transformer, [text encoders], vae) constructors for FLUX.1-dev / SD3.5-M (FluxPipeline's CLIP-L and
-    T5-XXL; SD3's CLIP-L and CLIP-G with projections and T5-XXL), or toy/tiny.py's tiny pipelines' modules."""
+def _tiny(arch: str):
+    """(transformer, [text encoders], vae) constructors of toy/tiny.py's / toy/tiny_families.py's pipelines."""
+    import tiny as toy_tiny
+    import tiny_families
+
+    pipe = {"flux": toy_tiny.build_flux, "sd3": toy_tiny.build_sd3, "qwen-image": tiny_families.build_qwenimage,
+            "flux2-dev": tiny_families.build_flux2, "klein-4b": tiny_families.build_flux2_klein,
+            "klein-9b": tiny_families.build_flux2_klein, "z-image": tiny_families.build_zimage}[arch]()
+    texts = [getattr(pipe, n) for n in TEXT_ENCODERS if getattr(pipe, n, None) is not None]
+    configs = [copy.deepcopy(m.config) for m in texts]
+    # 2 text layers: the tiny FLUX.2 pipelines' 28-31 (read by index) add fake-tensor time and no code path
+    for c in configs if arch not in ("flux", "sd3") else []:
+        c = getattr(c, "text_config", c)
+        c.num_hidden_layers = 2
+        if getattr(c, "layer_types", None):
+            c.layer_types = c.layer_types[:2]
+    return (functools.partial(type(pipe.transformer).from_config, pipe.transformer.config),
+            [functools.partial(type(m), c) for m, c in zip(texts, configs)],
+            functools.partial(type(pipe.vae).from_config, pipe.vae.config))
+
+
+def _qwen3(**kw):
+    """Qwen3-4B's / Qwen3-8B's config.json (Qwen/Qwen3-4B, Qwen/Qwen3-8B; FLUX.2 [klein] and Z-Image ship them
+    as text_encoder/config.json): 36 layers, 32 query and 8 key-value heads of 128, vocabulary 151,936."""
+    from transformers import Qwen3Config
+
+    return Qwen3Config(vocab_size=151936, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+                       head_dim=128, max_position_embeddings=40960, **kw)
+
+
+def architectures(arch: str, *, tiny: bool):
+    """(transformer, [text encoders], vae) constructors of a released model, or of toy/tiny.py's /
+    toy/tiny_families.py's tiny pipelines. FLUX.1-dev / SD3.5-M: FluxPipeline's CLIP-L and T5-XXL; SD3's CLIP-L
+    and CLIP-G with projections and T5-XXL. The newer families' text encoders are the classes their pipelines
+    hold (a vision-language model whole, as it visits the GPU; only its language model runs on text)."""
     from diffusers import AutoencoderKL, FluxTransformer2DModel, SD3Transformer2DModel
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, T5Config
     from transformers import T5EncoderModel
 
     if tiny:
-        import tiny as toy_tiny
-
-        pipe = toy_tiny.build_flux() if kind == "flux" else toy_tiny.build_sd3()
-        names = ["text_encoder", "text_encoder_2"] + (["text_encoder_3"] if kind == "sd3" else [])
-        texts = [functools.partial(type(getattr(pipe, n)), getattr(pipe, n).config) for n in names]
-        return (functools.partial(type(pipe.transformer).from_config, pipe.transformer.config), texts,
-                functools.partial(AutoencoderKL.from_config, pipe.vae.config))
+        return _tiny(arch)
+    vae = functools.partial(
+        AutoencoderKL, down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+        block_out_channels=(128, 256, 512, 512), layers_per_block=2, latent_channels=16, use_quant_conv=False,
+        use_post_quant_conv=False, scaling_factor=1.5305 if arch == "sd3" else 0.3611,
+        shift_factor=0.0609 if arch == "sd3" else 0.1159)  # Z-Image ships FLUX.1's autoencoder
+    if arch in ("qwen-image", "flux2-dev", "klein-4b", "klein-9b", "z-image"):
+        return _newer_families(arch, vae)
     t5 = functools.partial(T5EncoderModel, T5Config(
         vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
         feed_forward_proj="gated-gelu", decoder_start_token_id=0, **_bos_eos()))
@@ -120,12 +212,7 @@ def architectures(kind: str, *, tiny: bool):
                                        num_attention_heads=12, projection_dim=768))
     clip_g = CLIPTextConfig(**_bos_eos(hidden_size=1280, intermediate_size=5120, num_hidden_layers=32,
                                        num_attention_heads=20, projection_dim=1280, hidden_act="gelu"))
-    vae = functools.partial(
-        AutoencoderKL, down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
-        block_out_channels=(128, 256, 512, 512), layers_per_block=2, latent_channels=16, use_quant_conv=False,
-        use_post_quant_conv=False, scaling_factor=0.3611 if kind == "flux" else 1.5305,
-        shift_factor=0.1159 if kind == "flux" else 0.0609)
-    if kind == "flux":
+    if arch == "flux":
         transformer = functools.partial(
             FluxTransformer2DModel, in_channels=64, num_layers=19, num_single_layers=38,
             attention_head_dim=128, num_attention_heads=24, joint_attention_dim=4096,
@@ -138,6 +225,80 @@ def architectures(kind: str, *, tiny: bool):
         dual_attention_layers=tuple(range(13)), qk_norm="rms_norm")
     texts = [functools.partial(CLIPTextModelWithProjection, c) for c in (clip_l, clip_g)]
     return transformer, texts + [t5], vae
+
+
+def _newer_families(arch: str, flux_vae):
+    """Qwen-Image, FLUX.2 [dev] / [klein] 4B / 9B (base and distilled share theirs), Z-Image(-Turbo)."""
+    from diffusers import AutoencoderKLFlux2, AutoencoderKLQwenImage, Flux2Transformer2DModel
+    from diffusers import QwenImageTransformer2DModel, ZImageTransformer2DModel
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration, Qwen2_5_VLConfig
+    from transformers import Qwen2_5_VLForConditionalGeneration, Qwen3ForCausalLM, Qwen3Model
+
+    if arch == "qwen-image":
+        # Qwen/Qwen-Image's transformer/config.json and vae/config.json (as public loaders and tests quote them;
+        # diffusers' QwenImageTransformer2DModel and AutoencoderKLQwenImage defaults are the same values)
+        transformer = functools.partial(
+            QwenImageTransformer2DModel, patch_size=2, in_channels=64, out_channels=16, num_layers=60,
+            attention_head_dim=128, num_attention_heads=24, joint_attention_dim=3584, guidance_embeds=False,
+            axes_dims_rope=(16, 56, 56))
+        vae = functools.partial(AutoencoderKLQwenImage, base_dim=96, z_dim=16, dim_mult=[1, 2, 4, 4],
+                                num_res_blocks=2, attn_scales=[], temperal_downsample=[False, True, True])
+        # Qwen/Qwen2.5-VL-7B-Instruct's config.json: the 28-layer language model (3584 wide, 28 query / 4 key-value
+        # heads, untied head) and the 32-block ViT (1280 wide) merged into 3584
+        text = Qwen2_5_VLConfig(
+            text_config=dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                             num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=128000,
+                             rope_scaling={"type": "mrope", "mrope_section": [16, 24, 24]}),
+            vision_config=dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16,
+                               out_hidden_size=3584, patch_size=14, spatial_merge_size=2, temporal_patch_size=2,
+                               window_size=112, fullatt_block_indexes=[7, 15, 23, 31]),
+            tie_word_embeddings=False)
+        return transformer, [functools.partial(Qwen2_5_VLForConditionalGeneration, text)], vae
+    if arch.startswith(("flux2", "klein")):
+        # diffusers' scripts/convert_flux2_to_diffusers.py, get_flux2_transformer_config ("flux2-dev", "klein-4b",
+        # "klein-9b"); the VAE: AutoencoderKLFlux2's defaults are black-forest-labs/FLUX.2-dev's vae/config.json
+        layers, singles, heads, text_dim = {"flux2-dev": (8, 48, 48, 15360), "klein-4b": (5, 20, 24, 7680),
+                                            "klein-9b": (8, 24, 32, 12288)}[arch]
+        transformer = functools.partial(
+            Flux2Transformer2DModel, patch_size=1, in_channels=128, num_layers=layers, num_single_layers=singles,
+            attention_head_dim=128, num_attention_heads=heads, joint_attention_dim=text_dim,
+            timestep_guidance_channels=256, mlp_ratio=3.0, axes_dims_rope=(32, 32, 32, 32), rope_theta=2000,
+            guidance_embeds=arch == "flux2-dev")
+        vae = functools.partial(AutoencoderKLFlux2, block_out_channels=(128, 256, 512, 512), latent_channels=32,
+                                layers_per_block=2, patch_size=(2, 2), batch_norm_eps=1e-4)
+        if arch == "flux2-dev":
+            # mistralai/Mistral-Small-3.1-24B-Instruct-2503 (transformers' Mistral3Config defaults are its values:
+            # 40 layers of 5120, 32 query / 8 key-value heads, the 24-layer Pixtral tower; the head tied to the
+            # embeddings as transformers 5 builds it: 23.3B, the reference's count)
+            text = Mistral3Config(
+                text_config=dict(model_type="mistral", vocab_size=131072, hidden_size=5120, intermediate_size=32768,
+                                 num_hidden_layers=40, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                                 max_position_embeddings=131072),
+                vision_config=dict(model_type="pixtral", hidden_size=1024, intermediate_size=4096,
+                                   num_hidden_layers=24, num_attention_heads=16, head_dim=64, patch_size=14,
+                                   image_size=1540),
+                spatial_merge_size=2, multimodal_projector_bias=False)
+            return transformer, [functools.partial(Mistral3ForConditionalGeneration, text)], vae
+        # Qwen3-4B (tied head) / Qwen3-8B (untied head, 0.62B of the 8.2B) as Qwen3ForCausalLM
+        size = dict(hidden_size=2560, intermediate_size=9728, tie_word_embeddings=True) if arch == "klein-4b" \
+            else dict(hidden_size=4096, intermediate_size=12288, tie_word_embeddings=False)
+        return transformer, [functools.partial(Qwen3ForCausalLM, _qwen3(**size))], vae
+    # Tongyi-MAI/Z-Image(-Turbo)'s transformer/config.json (as public loaders quote it; diffusers' defaults but
+    # axes_lens); the text encoder Qwen3-4B as a Qwen3Model (no head), the VAE FLUX.1's
+    transformer = functools.partial(
+        ZImageTransformer2DModel, all_patch_size=(2,), all_f_patch_size=(1,), in_channels=16, dim=3840,
+        n_layers=30, n_refiner_layers=2, n_heads=30, n_kv_heads=30, norm_eps=1e-5, qk_norm=True,
+        cap_feat_dim=2560, rope_theta=256.0, t_scale=1000.0, axes_dims=[32, 48, 48], axes_lens=[1536, 512, 512])
+    text = _qwen3(hidden_size=2560, intermediate_size=9728, tie_word_embeddings=True)
+    return transformer, [functools.partial(Qwen3Model, text)], flux_vae
+
+
+def parameter_counts(arch: str, *, tiny: bool = False) -> tuple:
+    """(transformer, text encoders, VAE) parameters of architectures(arch), built on the meta device."""
+    make_t, texts, make_vae = architectures(arch, tiny=tiny)
+    with torch.device("meta"):
+        return tuple(sum(sum(p.numel() for p in m.parameters()) for m in ms)
+                     for ms in ([make_t()], [c() for c in texts], [make_vae()]))
 
 
 def scheduler_config(kind: str) -> dict:
@@ -407,6 +568,40 @@ def patched(owner, name: str, value):
             delattr(owner, name)
 
 
+@contextlib.contextmanager
+def patched_entry(table: dict, key, value):
+    """table[key] = value for the duration (a family's function in models.FAMILIES)."""
+    old = table[key]
+    table[key] = value
+    try:
+        yield value
+    finally:
+        table[key] = old
+
+
+# Text masks under fake tensors: counting a row's tokens (int(mask.sum())) needs data, so every prompt counts
+# as max_sequence_length tokens long, an upper bound (real prompts are cut to the longest of their batch).
+def full_trim(emb: dict, prefix: str = ""):
+    """models.trim without data: the padded embeddings whole and no mask (Qwen-Image)."""
+    return emb[prefix + "embeds"], None
+
+
+class FullRow(int):
+    """A text mask's row whose sum() is the padded length (Z-Image's captions cut to int(mask.sum()))."""
+
+    def sum(self, *args, **kwargs):
+        return self
+
+
+def full_rows(velocity):
+    """A family's velocity with each text mask's rows counted full."""
+    @functools.wraps(velocity)
+    def run(transformer, x, t, emb, *, guidance):
+        rows = {k: [FullRow(v.shape[-1])] * len(v) for k, v in emb.items() if k.endswith("mask")}
+        return velocity(transformer, x, t, {**emb, **rows}, guidance=guidance)
+    return run
+
+
 def fake_process_group(world: int):
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -425,11 +620,20 @@ def reward_forward(models: dict, images, n_text: int = 0):
 
 
 def text_forward(texts, ids):
-    """The text encoders on token ids: CLIP's first max_position_embeddings tokens, T5 all of them."""
+    """The text encoders on token ids as the pipelines call them: CLIP on its first max_position_embeddings
+    tokens, T5 on all; the newer families' language models with every hidden state kept
+    (output_hidden_states=True), their causal LMs' logits too, FLUX.2's without a KV cache."""
     with torch.no_grad():
         for m in texts:
-            clip = "CLIP" in type(m).__name__
-            m(input_ids=ids[:, :m.config.max_position_embeddings] if clip else ids)
+            name = type(m).__name__
+            if "CLIP" in name:
+                m(input_ids=ids[:, :m.config.max_position_embeddings])
+            elif "T5" in name:
+                m(input_ids=ids)
+            else:
+                flux2 = name in ("Mistral3ForConditionalGeneration", "Qwen3ForCausalLM")
+                m(input_ids=ids, attention_mask=torch.ones_like(ids), output_hidden_states=True,
+                  **({"use_cache": False} if flux2 else {}))
 
 
 # ---------------------------------------------------------------- one command
@@ -496,31 +700,27 @@ def estimate(name, script, argv, world, *, tiny=False, undo=(), phases=None):
     import tyro
 
     import common
+    import models
 
     mod = importlib.import_module(script)
     args = tyro.cli(mod.Args, args=argv.split())
     if tiny:
         args.resolution, args.max_sequence_length = 32, 16
-    mod.check_args(args, world)
-    kind, beta, nfe = ("flux" if "flux" in args.model else "sd3"), args.beta, mod.planned_nfe(args)
+    # the paths, reward files and OCR engine are the training machine's: the estimate reads and writes none
+    with patched(common, "check_output_path", lambda *a, **k: None), \
+            patched(common.import_sibling("rewards"), "check", lambda *a, **k: None):
+        mod.check_args(args, world)
+    kind, arch = model_architecture(args.model)
+    beta, nfe, cache = args.beta, mod.planned_nfe(args), bool(args.text_cache)
     P, G, T = args.prompts_per_iteration // world, args.group_size, args.num_steps
     mb, bf16, sharded = min(args.micro_batch, P * G), torch.bfloat16, args.full_finetune and world > 1
     checkpointing = args.gradient_checkpointing and "activation checkpointing" not in undo
     fp32_gathers = sharded and "bf16 compute weights" in undo  # the old policy: float32 weights gathered
-    make_t, text_cls, vae_cls = architectures(kind, tiny=tiny)
-    f = 2 if tiny else 8
-    C, H, W, R = (4 if tiny else 16), args.resolution // f, args.resolution // f, args.resolution
-    if tiny:
-        txt_dim, pooled_dim = (32, 32) if kind == "flux" else (64, 64)
-    else:
-        txt_dim, pooled_dim = 4096, 768 if kind == "flux" else 2048
-    tokens = args.max_sequence_length + (0 if kind == "flux" else (16 if tiny else 77))
-    cfg = kind == "sd3" and args.guidance > 1
+    make_t, text_cls, vae_cls = architectures(arch, tiny=tiny)
     steps = rollout_steps(mod, script, args)
     out = {"name": name, "world": world, "args": args, "nfe": nfe, "P": P, "mb": mb, "script": script,
-           "tokens": tokens, "txt_dim": txt_dim, "cfg": cfg, "sharded": sharded, "kind": kind,
-           "checkpointing": args.gradient_checkpointing, "latent_bytes": C * H * W * 4, "steps": steps,
-           "undo": tuple(undo)}
+           "sharded": sharded, "kind": kind, "arch": arch, "text_cache": cache,
+           "checkpointing": args.gradient_checkpointing, "steps": steps, "undo": tuple(undo)}
 
     fake_process_group(world)
     build = Builder()
@@ -535,16 +735,17 @@ def estimate(name, script, argv, world, *, tiny=False, undo=(), phases=None):
             transformer = make_t().requires_grad_(False)
             torch.set_default_dtype(torch.float32)
             params, ref = common.make_trainable(
-                transformer, kind, lora=None, reference=beta > 0, sharded=True, compute_dtype=None if fp32_gathers else bf16,
-                checkpointing=checkpointing)
+                transformer, kind, lora=None, reference=beta > 0, sharded=True,
+                compute_dtype=None if fp32_gathers else bf16, checkpointing=checkpointing)
         params = list(params.values())
     else:  # LoRA (or one GPU): bf16 frozen weights, float32 trainable ones, from common.make_trainable itself
         box = {}
 
         def prepare(t):
             box["ref"] = common.make_trainable(
-                t.requires_grad_(False), kind, lora=None if args.full_finetune else (args.lora_rank, args.lora_alpha),
-                reference=beta > 0, sharded=False, compute_dtype=bf16, checkpointing=checkpointing)[1]
+                t.requires_grad_(False), kind,
+                lora=None if args.full_finetune else (args.lora_rank, args.lora_alpha), reference=beta > 0,
+                sharded=False, compute_dtype=bf16, checkpointing=checkpointing)[1]
             return t
         transformer = build(make_t, bf16, prepare)
         params, ref = [p for p in transformer.parameters() if p.requires_grad], box["ref"]
@@ -552,13 +753,35 @@ def estimate(name, script, argv, world, *, tiny=False, undo=(), phases=None):
             raise SystemExit("error: the estimator does not model one-GPU full fine-tuning with a KL "
                              "(pass --beta 0)")
     vae = build(vae_cls, bf16).requires_grad_(False)
-    pipe = type(common.FAMILIES[kind]["pipelines"][0], (), {"vae": vae})()  # decode finds its family by it
     loaded = {r: reward_model(r, tiny=tiny) for r in dict.fromkeys(args.rewards + args.eval_rewards)}
     loaded = {r: build(m) for r, m in loaded.items() if m is not None}
     trained_rewards = {r: m for r, m in loaded.items() if r in args.rewards}
     texts = [build(c, bf16).requires_grad_(False) for c in text_cls]
     sigmas = Sigmas(common.shifted_sigmas(max(T, 2), shift=3.0).tolist())
-    with fake:
+    # what the family's functions read of a pipeline: its class name (common.decode), the VAE, the latents'
+    # scale (the pipelines' vae_scale_factor), the transformer's config, [klein]'s is_distilled
+    pipe = type(common.FAMILIES[kind]["pipelines"][0], (), {})()
+    pipe.vae, pipe.transformer = vae, transformer
+    pipe.vae_scale_factor = 2 ** len(vae.temperal_downsample) if hasattr(vae, "temperal_downsample") else \
+        2 ** (len(vae.config.block_out_channels) - 1)
+    pipe.config = types.SimpleNamespace(is_distilled=args.model in DISTILLED)
+    common.check_guidance(pipe, kind, args.guidance)
+    mode = common.FAMILIES[kind]["guidance"](pipe)
+    cfg = (mode == "cfg" and args.guidance > 1) or (mode == "cfg0" and args.guidance > 0)  # negatives too
+    (C, H, W), _ = common.FAMILIES[kind]["latent"](pipe, args.resolution)
+    R, pooled_dim, masked = args.resolution, None, kind in ("qwenimage", "zimage")
+    tokens = text_tokens = args.max_sequence_length  # the newer families pad to it (and keep a mask)
+    if kind == "flux":
+        txt_dim, pooled_dim = (32, 32) if tiny else (4096, 768)
+    elif kind == "sd3":
+        txt_dim, pooled_dim = (64, 64) if tiny else (4096, 2048)
+        tokens += 16 if tiny else 77  # CLIP's tokens before T5's
+    else:  # the text dimension the transformer takes: the stacked hidden layers of FLUX.2's
+        txt_dim = transformer.config.get("joint_attention_dim") or transformer.config.cap_feat_dim
+        text_tokens += 34 if kind == "qwenimage" else 0  # Qwen-Image's template, dropped after encoding
+    out.update(tokens=tokens, txt_dim=txt_dim, cfg=cfg, latent_bytes=C * H * W * 4)
+    with fake, patched(models, "trim", full_trim), patched(common, "fits_gathered", fits_gathered), \
+            patched_entry(common.FAMILIES["zimage"], "velocity", full_rows(common.FAMILIES["zimage"]["velocity"])):
         optimizer = torch.optim.AdamW(params, lr=1e-5)
         for p in params:  # Adam's states exist after the first step
             p.grad = torch.zeros_like(p)
@@ -571,18 +794,30 @@ def estimate(name, script, argv, world, *, tiny=False, undo=(), phases=None):
         resident = [transformer, vae, optimizer, *loaded.values()] + ([ref] if ref is not None else []) + ema + old
         trainable = nbytes(*params) if not sharded else nbytes(transformer)
         reward_bytes = sum(nbytes(m) for m in loaded.values())
+        out["text_bytes"] = sum(nbytes(m) for m in texts)
         out["bytes"] = {"frozen transformer (bf16)": nbytes(transformer) - trainable if not sharded else 0,
                         "trainable (float32)": trainable, "Adam states": nbytes(optimizer),
                         "reference (bf16)": nbytes(ref) if ref is not None else 0, "EMA": nbytes(*ema),
                         "old policy (float32)": nbytes(*old),
                         "VAE": nbytes(vae), "reward models (bf16 towers)": reward_bytes,
-                        "text encoders (on the CPU between encodings)": sum(nbytes(m) for m in texts)}
+                        # --text-cache: dropped after the start-up's fill
+                        "text encoders (on the CPU between encodings)": 0 if cache else out["text_bytes"]}
         out["reward_fp32_bytes"] = sum(4 * sum(p.numel() for p in m.parameters()) for m in loaded.values())
         out["n_params"] = sum(p.numel() for n, p in transformer.named_parameters() if "lora_" not in n)
-        emb = {"embeds": torch.randn(P, tokens, txt_dim, dtype=bf16),
-               "pooled": torch.randn(P, pooled_dim, dtype=bf16)}
-        if cfg:
-            emb.update(neg_embeds=emb["embeds"].clone(), neg_pooled=emb["pooled"].clone())
+        out["block_params"] = max(sum(p.numel() for p in b.parameters())
+                                  for b in common.transformer_blocks(transformer))
+        out["params"] = (out["n_params"], sum(p.numel() for m in texts for p in m.parameters()),
+                         sum(p.numel() for p in vae.parameters()))
+
+        def embeddings(n):
+            """n prompts' embeddings as the family's encode returns them (and the negative prompt's per row)."""
+            e = {"embeds": torch.zeros(n, tokens, txt_dim, dtype=bf16)}
+            if pooled_dim:
+                e["pooled"] = torch.zeros(n, pooled_dim, dtype=bf16)
+            if masked:
+                e["mask"] = torch.ones(n, tokens, dtype=torch.long)
+            return {**e, **{"neg_" + k: v.clone() for k, v in e.items()}} if cfg else e
+        emb = embeddings(P)
         rows = torch.zeros(max(mb, P * G), dtype=torch.long)
 
         def phase(label, fn, *live):
@@ -593,9 +828,19 @@ def estimate(name, script, argv, world, *, tiny=False, undo=(), phases=None):
             if flops is not None:
                 out.setdefault("flops", {})[label] = flops
 
-        # -------- encoding: the text encoders visit the GPU for the iteration's prompts (and CFG's negatives)
-        ids = torch.zeros(min(16, P) * (2 if cfg else 1), args.max_sequence_length, dtype=torch.long)  # chunk
-        phase("encode", functools.partial(text_forward, texts, ids), *texts)
+        # -------- start-up with --text-cache: every prompt encoded once, 16 at a time, the text encoders alone
+        # on the GPU with the reward models (loaded first; the transformer and the VAE still on the CPU)
+        if cache and phases is None:
+            fill_ids = torch.zeros(16 * (2 if cfg else 1), text_tokens, dtype=torch.long)
+            out["fill"], out["fill_flops"] = measure(functools.partial(text_forward, texts, fill_ids),
+                                                     [*loaded.values(), *texts], flops=not undo)
+        # -------- encoding: the text encoders visit the GPU for the iteration's prompts (and CFG's negatives);
+        # with --text-cache the embeddings come from disk (rundir.read_text_cache): no text encoder at all
+        ids = torch.zeros(min(16, P) * (2 if cfg else 1), text_tokens, dtype=torch.long)  # a chunk
+        if cache:
+            phase("encode", functools.partial(embeddings, P))
+        else:
+            phase("encode", functools.partial(text_forward, texts, ids), *texts)
 
         # -------- rollout: what the file keeps for the whole iteration, then one of each kind of call
         L = len(getattr(args, "lambdas", (1,)))
@@ -747,9 +992,12 @@ def estimate(name, script, argv, world, *, tiny=False, undo=(), phases=None):
         # micro-batches with gathered weights, decoded per micro-batch (4 at a time), every image scored at
         # once
         n_eval = -(-args.eval_num // world)  # equal shares, the last ranks repeating the last pair
-        e_ids = torch.zeros(min(16, n_eval) * (2 if cfg else 1), args.max_sequence_length, dtype=torch.long)
-        phase("evaluation encode", functools.partial(text_forward, texts, e_ids), *texts)
-        e_emb = {k: torch.zeros(n_eval, *v.shape[1:], dtype=v.dtype) for k, v in emb.items()}
+        e_ids = torch.zeros(min(16, n_eval) * (2 if cfg else 1), text_tokens, dtype=torch.long)
+        if cache:
+            phase("evaluation encode", functools.partial(embeddings, n_eval))
+        else:
+            phase("evaluation encode", functools.partial(text_forward, texts, e_ids), *texts)
+        e_emb = embeddings(n_eval)
         eval_mb = min(args.micro_batch, n_eval)
 
         def evaluate():
@@ -775,7 +1023,7 @@ def peak(e, undo=()):
     add = {k: 0.0 for k in e["peak"]}
     for k in add:
         if "text encoders off the GPU" in undo and k not in ("encode", "evaluation encode"):
-            add[k] += b["text encoders (on the CPU between encodings)"]
+            add[k] += e["text_bytes"]  # resident (with --text-cache too: never dropped)
         if "bf16 reward models" in undo:
             add[k] += e["reward_fp32_bytes"] - b["reward models (bf16 towers)"]
         if "indexed embeddings" in undo and e["script"] == "densegrpo" and k == "rollout":
@@ -809,13 +1057,18 @@ def seconds(flops, gpu: str) -> float:
 
 
 def startup(e, *, before=False):
-    """GiB on a GPU while the model loads: the bf16 transformer (and a bf16 reference copy) before sharding;
-    the old code converted to float32 first, so a whole float32 model sat on every GPU."""
+    """GiB on a GPU while the model loads. Now: rundir.start_run loads a sharded run on the CPU and FSDP2
+    moves each block's shards to the GPU as it shards it, so the peak is the resident state plus one block
+    (and the reference's) in bf16. Before: the whole bf16 transformer and reference copy on every GPU, and
+    in the first code a float32 conversion of it (`before`)."""
     if not e["sharded"]:
         return None
     n, ref = e["n_params"], e["bytes"]["reference (bf16)"] > 0  # the VAE and reward models are already loaded
     loaded = e["bytes"]["VAE"] + e["bytes"]["reward models (bf16 towers)"]
-    return (n * ((4 if before else 2) + 2 * ref) + loaded) / GIB
+    if before:
+        return (n * (4 + 2 * ref) + loaded) / GIB
+    resident = sum(v for k, v in e["bytes"].items() if not k.startswith("text"))
+    return (resident + 2 * e["block_params"] * (1 + ref)) / GIB
 
 
 # ---------------------------------------------------------------- the reward models alone, evaluate.py
@@ -911,19 +1164,31 @@ def report(estimates, path, seconds_taken, rewards_table=None, evaluation=None):
         "fragmentation and the CUDA "
         f"context. Seconds at {MFU:.0%} of the bf16 peak (evaluation not included).", "",
         "| command | GPUs | resident | " + " | ".join(PHASES) + " | **peak** | peak phase | rollout kept | "
-        "start-up | planned NFE per prompt (rollout / train / reference) | TFLOP / rank / iteration | "
-        f"seconds / iteration, A100 / H100 at {MFU:.0%} MFU | A100-hours / iteration |",
-        "|---|" + "---|" * (len(PHASES) + 11)]
+        "start-up | text cache fill | planned NFE per prompt (rollout / train / reference) | TFLOP / rank / "
+        f"iteration | seconds / iteration, A100 / H100 at {MFU:.0%} MFU | A100-hours / iteration |",
+        "|---|" + "---|" * (len(PHASES) + 12)]
     for e in estimates:
         res = sum(v for k, v in e["bytes"].items() if not k.startswith("text"))
         flops, up, n = per_iteration(e), startup(e), e["nfe"]
         cells = [e["name"], e["world"], f"{res / GIB:.1f}", *(f"{e['peak'][k] / GIB:.1f}" for k in PHASES),
                  f"**{peak(e):.1f}**", peak_phase(e), f"{e['kept'] / GIB:.2f}",
-                 "-" if up is None else f"{up:.1f}",
+                 "-" if up is None else f"{up:.1f}", f"{e['fill'] / GIB:.1f}" if "fill" in e else "-",
                  f"{n['rollout']} / {n['train']} / {n['reference']}", f"{flops / 1e12:,.0f}",
                  " / ".join(f"{seconds(flops, g):,.0f}" for g in gpus),
                  f"{seconds(flops, 'A100') * e['world'] / 3600:.2f}"]
         lines.append("| " + " | ".join(map(str, cells)) + " |")
+    if any("fill" in e for e in estimates):
+        lines += [
+            "", "Text cache fill (`--text-cache`): the start-up encodes every prompt once, 16 at a time (with the "
+            "negative prompt's where the family runs true CFG), the text encoders alone on the GPU beside the "
+            "reward models (the transformer and the VAE still on the CPU); the encoders are then dropped, and "
+            "the encode phases read this rank's embeddings from disk."]
+    lines += ["", "## The architectures built: parameters (billions; published in brackets)", "",
+              "| architecture | transformer | text encoders | VAE |", "|---|---|---|---|"]
+    for arch, counts in {e["arch"]: e["params"] for e in estimates}.items():
+        published = PUBLISHED.get(arch, (None,) * 3)
+        lines.append(f"| {arch} | " + " | ".join(f"{c / 1e9:.2f}" + (f" ({p / 1e9:g})" if p else "")
+                                               for c, p in zip(counts, published)) + " |")
     parts = list(estimates[0]["bytes"])
     lines += ["", "## Resident state per GPU (GiB)", "", "| command | " + " | ".join(parts) + " |",
               "|---|" + "---|" * len(parts)]

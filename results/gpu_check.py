@@ -1,11 +1,18 @@
 """results/estimate.py checked on a real GPU: ONE whole training iteration of each single-GPU configuration
-of the README (the "1 GPU:" rows of estimate.COMMANDS), run THROUGH THE ALGORITHM FILES THEMSELVES
-(runpy.run_path(file, run_name="__main__"), sys.argv = the command + --num-iterations 1 --eval-every 0
---save-every 0 --output-dir <tmp> --prompts <tmp prompt file> --eval-prompts <the same>), on
-random-initialised models of the real sizes built from their configs, no downloads:
-- common.load_pipeline returns an in-memory FluxPipeline / StableDiffusion3Pipeline of estimate.architectures
-  (FLUX.1-dev / SD3.5-M transformer, T5-XXL and CLIP text encoders, the VAE; built directly on the GPU in
-  bf16, the text encoders then waiting on the CPU as load_pipeline leaves them), toy/tiny.py's tokenizers;
+of the README (the "1 GPU" rows of estimate.COMMANDS) and of FAMILY_CHECKS (one command per newer family:
+Qwen-Image, FLUX.2 [dev], Z-Image-Turbo; with COMMANDS' FLUX.2 [klein] base 4B row, the "families"), run
+THROUGH THE ALGORITHM FILES THEMSELVES (runpy.run_path(file, run_name="__main__"), sys.argv = the command +
+--num-iterations 1 --eval-every 0 --save-every 0 --output-dir <tmp> --prompts <tmp prompt file>
+--eval-prompts <the same>; a --text-cache redirected to a directory under <tmp>), on random-initialised models
+of the real sizes built from their configs, no downloads:
+- common.load_pipeline returns an in-memory pipeline of the family (FluxPipeline, StableDiffusion3Pipeline,
+  QwenImagePipeline, Flux2Pipeline, Flux2KleinPipeline(is_distilled=False), ZImagePipeline) around
+  estimate.architectures' modules (built directly on the GPU in bf16, the text encoders then waiting on the
+  CPU as load_pipeline leaves them), the released scheduler configs, toy/tiny.py's word tokenizers (FLUX.1,
+  SD3) or toy/tiny_families.py's Qwen2Tokenizer / PixtralProcessor; with --text-cache it moves the
+  transformer to the CPU as start_run asks (where the host has room: else it stays, and the encode phase
+  counts its weights; transformer_off_the_gpu_while_filling says which) while fill_text_cache encodes, and
+  the text encoders that fill_text_cache drops are put back (on the CPU) after the configuration;
 - common.load_rewards returns rewards.py's own reward functions (open_clip_reward, pickscore_reward,
   imagereward_reward, aesthetic_reward) fed random models of estimate.reward_spec's sizes (open_clip ViT-H-14
   for hps / clip, PickScore's CLIP-H, ImageReward's BLIP): bf16 towers, float32 heads, as in training;
@@ -18,18 +25,23 @@ wrapped calls (the SDE math, CoCA's credit, the backward pass) counts to the pha
 iteration's perf/seconds_per_iteration and perf/rollout_seconds from metrics.jsonl, the NFE against the
 file's planned_nfe and train/first_ratio_max_dev, and prints per configuration a table: phase, measured GiB,
 estimate.py's GiB of the same phase (read from results/estimate.md; --tiny: estimate.estimate(tiny=True),
-through the same reader). The pipelines are built once per model (SD3.5-M for three configurations, then
-FLUX.1-dev for three); the LoRA adapters are removed between runs (diffusers' unload_lora) and the base
-weights checked untouched (every parameter's float64 sum, and the names); the rest is freed in between.
+through the same reader; a row estimate.md lacks prints "-"). The pipelines are built once per --model, in
+the order of first appearance (SD3.5-M for five configurations, FLUX.1-dev for four, then FLUX.2 [klein]
+base 4B, Qwen-Image, FLUX.2 [dev], Z-Image-Turbo for one each); the LoRA adapters are removed between runs
+(diffusers' unload_lora) and the base weights checked untouched (every parameter's float64 sum, and the
+names); the rest is freed in between.
 
-    python results/gpu_check.py --out $OUT/gpu_check.json   # one H100 / H200: ~7 min
+    python results/gpu_check.py --out $OUT/gpu_check.json   # one H100 / H200: ~8 min, families skipped
+    python results/gpu_check.py --only families             # the newer families' four rows: ~4-5 min
     python results/gpu_check.py --only dancegrpo mixgrpo    # some configurations (keys below, or names)
     python results/gpu_check.py --tiny                      # the same code on tiny architectures, on a CPU
 
 With the device tool (one command; the JSON comes back under files_at):
     run(command="python results/gpu_check.py --out $OUT/gpu_check.json", timeout_s=540)
+    run(command="python results/gpu_check.py --only families --out $OUT/families.json", timeout_s=420)
 Keys: flow_grpo, flow_grpo-coca, densegrpo, dancegrpo, mixgrpo, g2rpo, diffusion_nft, diffusion_nft-flux,
-awm.
+awm; the families: flow_grpo-flux2-klein-base-4b, flow_grpo-qwen-image, diffusion_nft-flux2-dev,
+awm-z-image-turbo (script-model for any further --model).
 
 Time on one H100, from results/estimate.md's seconds per iteration at 40% MFU plus what this script adds:
   compute: Flow-GRPO 22 + Flow-GRPO + CoCA 22 + DenseGRPO 23 + AWM 5 + DiffusionNFT 13 (SD3.5-M) +
@@ -41,10 +53,20 @@ Time on one H100, from results/estimate.md's seconds per iteration at 40% MFU pl
            ~3 s, inside the iteration's seconds but not in the estimate's), LoRA set-up and removal, the
            file's imports and TensorBoard writer: 9 x 10 = 90 s;
   Python imports and CUDA start-up ~25 s;
-  total 384 + 20 + 90 + 25 = ~520 s, more than the 480 s one call allows (an H200 computes as fast as an H100).
+  total 384 + 20 + 90 + 25 = ~520 s, more than the 480 s one call allows (an H200 computes as fast as an
+  H100).
   Before each configuration its estimate x 1.15 + 10 s is checked against --budget (460 s): one that would end
-  later is skipped and reported as such (the FLUX.1-dev rows, last, are the ones at risk); run the rest in a
-  second call with --only.
+  later is skipped and reported as such (a model none of whose rows fits is not even built); run the rest in
+  a second call with --only. The families come after FLUX.1-dev and are skipped so: run them with --only
+  families. results/estimate.md has no rows for them yet; ROUGH_SECONDS holds rough H100 seconds,
+  estimate.md's 1-GPU rows scaled by transformer parameters x tokens x samples x NFE (Flow-GRPO Qwen-Image
+  from SD3.5-M's 22 s: 8.2x the parameters, 1/6 the samples: ~30 s; DiffusionNFT FLUX.2 [dev] from
+  FLUX.1-dev's 51 s: 2.7x, 1/3 the NFE, 0.75x the tokens: ~35 s; Flow-GRPO [klein] base 4B ~6 s; AWM
+  Z-Image-Turbo, 8 steps, no CFG, ~2 s): ~75 s; builds ~60 s (20.4 B + 8.3 B, 32.2 B + 23.3 B (FLUX.2 [dev]
+  needs ~104 GiB on the GPU while it is built: an H200, not an 80 GB card), 3.9 B + 4.0 B, 6.2 B + 4.0 B
+  parameters, the text encoders then to the CPU); per configuration ~10 s plus the text encoders' visits
+  (Mistral-Small's 43 GiB and FLUX.2 [dev]'s 60 GiB transformer to the CPU and back around the text cache:
+  ~40 s): ~90 s; imports ~25 s: ~250-300 s.
 """
 import argparse
 import contextlib
@@ -69,24 +91,55 @@ PROMPTS = ["a red circle on the left", "a blue square on the top", "a photo of a
            "a green triangle at the bottom right", "a yellow picture of a dog"]
 
 
+# one single-GPU command per newer family (models.py), in estimate.COMMANDS' format; with estimate.COMMANDS'
+# "1 GPU (24 GB): Flow-GRPO, FLUX.2 [klein] base 4B" row they are the "families" (--only families). Each
+# --text-cache of a command is redirected to a directory of this check's own.
+FAMILY_CHECKS = [
+    ("1 GPU: Flow-GRPO, Qwen-Image (LoRA)", "flow_grpo", "--model qwen-image --guidance 4 --lora-rank 64 "
+     "--lora-alpha 128 --max-sequence-length 256 --prompts-per-iteration 1 --group-size 8 --micro-batch 4 "
+     "--eval-num 64", 1),
+    ("1 GPU: DiffusionNFT, FLUX.2 [dev] (LoRA, text cache)", "diffusion_nft", "--model flux2-dev "
+     "--guidance 4 --lora-rank 64 --lora-alpha 128 --prompts-per-iteration 1 --group-size 8 --micro-batch 2 "
+     "--eval-num 64 --text-cache /cache/flux2-dev", 1),
+    ("1 GPU: AWM, Z-Image-Turbo (LoRA)", "awm", "--model z-image-turbo --guidance 0 --num-steps 8 "
+     "--lora-rank 64 --lora-alpha 128 --prompts-per-iteration 1 --group-size 8 --micro-batch 4 "
+     "--eval-num 64", 1),
+]
+# rough seconds per iteration on an H100 at 40% MFU of the rows results/estimate.md has none for (its 1-GPU
+# rows of similar size scaled by parameters x tokens x samples x NFE; see the docstring): for --budget only
+ROUGH_SECONDS = {"flow_grpo-qwen-image": 30, "diffusion_nft-flux2-dev": 35, "awm-z-image-turbo": 2,
+                 "flow_grpo-flux2-klein-base-4b": 6}
+
+
+def model_alias(argv: str) -> str:
+    """The --model of an argument string ("" when it loads the default SD3.5-M)."""
+    words = argv.split()
+    return words[words.index("--model") + 1] if "--model" in words else ""
+
+
 def key(name: str, script: str, argv: str) -> str:
-    return script + ("-coca" if "--credit coca" in argv else "") + ("-flux" if "--model flux-dev" in argv else "")
+    model = model_alias(argv)
+    return script + ("-coca" if "--credit coca" in argv else "") + {"": "", "flux-dev": "-flux"}.get(model,
+                                                                                                 "-" + model)
 
 
-def model_kind(command) -> str:
-    """flux or sd3: the model the command's Args load."""
+def model_of(command) -> str:
+    """The --model alias the command's Args load (sd3.5-medium by default): one pipeline build each."""
     import tyro
 
-    args = tyro.cli(importlib.import_module(command[1]).Args, args=command[2].split())
-    return "flux" if "flux" in args.model else "sd3"
+    return tyro.cli(importlib.import_module(command[1]).Args, args=command[2].split()).model
 
 
 def configurations(only=None) -> list:
+    """estimate.COMMANDS' single-GPU rows ("1 GPU: ...", "1 GPU (24 GB): ..."), then FAMILY_CHECKS."""
     import estimate
 
-    rows = [c for c in estimate.COMMANDS if c[0].startswith("1 GPU:") and c[3] == 1]
+    rows = [c for c in estimate.COMMANDS if c[0].startswith("1 GPU") and c[3] == 1] + FAMILY_CHECKS
+    older = (None, "sd3", "flux")
+    families = {c[0] for c in rows if estimate.ARCHITECTURE.get(model_alias(c[2])) not in older}
     if only:
-        rows = [c for c in rows if key(*c[:3]) in only or any(o.lower() in c[0].lower() for o in only)]
+        rows = [c for c in rows if key(*c[:3]) in only or any(o.lower() in c[0].lower() for o in only)
+                or ("families" in only and c[0] in families)]
     return rows
 
 
@@ -131,15 +184,53 @@ def velocity_phase(phases: Phases):
 
 
 # ---------------------------------------------------------------- random models of the real sizes
-def build_pipeline(kind: str, *, tiny: bool, device, dtype):
-    """A FluxPipeline / StableDiffusion3Pipeline of estimate.architectures, every module initialised on
-    `device` in `dtype`, left as common.load_pipeline leaves it (frozen, eval, the text encoders on the
-    CPU)."""
+def scheduler_config(model: str) -> dict:
+    """FlowMatchEulerDiscreteScheduler's config of the released model (its scheduler/scheduler_config.json):
+    FLUX.1-dev and SD3.5-M as estimate.scheduler_config; Qwen/Qwen-Image's dynamic shifting with exponential
+    time shift, base 0.5 -> max 0.9 over 256 -> 8192 tokens, shift_terminal 0.02 (as toy/tiny_families.py's
+    build_qwenimage quotes it); black-forest-labs/FLUX.2-dev's and FLUX.2-klein's exponential dynamic shifting
+    (the pipelines pass compute_empirical_mu; docs/models.md); Tongyi-MAI/Z-Image's static shift 6,
+    Z-Image-Turbo's 3 (tiny_families.build_zimage)."""
     import estimate
-    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, StableDiffusion3Pipeline
+
+    arch = estimate.ARCHITECTURE[model]
+    if arch in ("flux", "sd3"):
+        return estimate.scheduler_config(arch)
+    if arch == "qwen-image":
+        return dict(base_image_seq_len=256, base_shift=0.5, max_image_seq_len=8192, max_shift=0.9, shift=1.0,
+                    shift_terminal=0.02, time_shift_type="exponential", use_dynamic_shifting=True)
+    if arch == "z-image":
+        return dict(shift=3.0 if model == "z-image-turbo" else 6.0, use_dynamic_shifting=False)
+    return dict(base_image_seq_len=256, base_shift=0.5, max_image_seq_len=4096, max_shift=1.15, shift=3.0,
+                time_shift_type="exponential", use_dynamic_shifting=True)
+
+
+def tiny_text_encoders(arch: str) -> list:
+    """Constructors of toy/tiny_families.py's text encoders with all their layers (estimate's tiny ones
+    keep 2: FLUX.2's pipelines read hidden layers 9-30 by index)."""
+    import tiny_families as tf
+
+    pipe = {"qwen-image": tf.build_qwenimage, "flux2-dev": tf.build_flux2, "klein-4b": tf.build_flux2_klein,
+            "klein-9b": tf.build_flux2_klein, "z-image": tf.build_zimage}[arch]()
+    return [functools.partial(type(pipe.text_encoder), pipe.text_encoder.config)]
+
+
+def build_pipeline(model: str, *, tiny: bool, device, dtype):
+    """The pipeline of the --model alias's family (FluxPipeline, StableDiffusion3Pipeline, QwenImagePipeline,
+    Flux2Pipeline, Flux2KleinPipeline, ZImagePipeline) around estimate.architectures' modules, every module
+    initialised on `device` in `dtype`, the released scheduler config, left as common.load_pipeline leaves it
+    (frozen, eval, the text encoders on the CPU). Tokenizers: toy/tiny.py's word tokenizers (FLUX.1, SD3),
+    toy/tiny_families.py's Qwen2Tokenizer (Qwen-Image, FLUX.2 [klein], Z-Image) and PixtralProcessor (FLUX.2
+    [dev]): their ids are in every real vocabulary."""
+    import estimate
+    from diffusers import FlowMatchEulerDiscreteScheduler, Flux2KleinPipeline, Flux2Pipeline, FluxPipeline
+    from diffusers import QwenImagePipeline, StableDiffusion3Pipeline, ZImagePipeline
     from tiny import word_tokenizer
 
-    make_t, texts, make_vae = estimate.architectures(kind, tiny=tiny)
+    _, arch = estimate.model_architecture(model)
+    make_t, texts, make_vae = estimate.architectures(arch, tiny=tiny)
+    if tiny and arch not in ("flux", "sd3"):
+        texts = tiny_text_encoders(arch)
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
@@ -150,14 +241,25 @@ def build_pipeline(kind: str, *, tiny: bool, device, dtype):
     def tokenizer(m):  # CLIP: its position embeddings; T5: the longest --max-sequence-length
         return word_tokenizer(m.config.max_position_embeddings if "CLIP" in type(m).__name__ else 512)
 
-    scheduler = FlowMatchEulerDiscreteScheduler(**estimate.scheduler_config(kind))
-    parts = {"text_encoder": encoders[0], "tokenizer": tokenizer(encoders[0]), "text_encoder_2": encoders[1],
-             "tokenizer_2": tokenizer(encoders[1])}
-    if kind == "flux":
-        pipe = FluxPipeline(scheduler=scheduler, vae=vae, transformer=transformer, **parts)
-    else:
+    parts = dict(scheduler=FlowMatchEulerDiscreteScheduler(**scheduler_config(model)), vae=vae,
+                 transformer=transformer, text_encoder=encoders[0])
+    if arch in ("flux", "sd3"):
+        parts.update(tokenizer=tokenizer(encoders[0]), text_encoder_2=encoders[1],
+                     tokenizer_2=tokenizer(encoders[1]))
+    if arch == "flux":
+        pipe = FluxPipeline(**parts)
+    elif arch == "sd3":
         parts.update(text_encoder_3=encoders[2], tokenizer_3=tokenizer(encoders[2]))
-        pipe = StableDiffusion3Pipeline(scheduler=scheduler, vae=vae, transformer=transformer, **parts)
+        pipe = StableDiffusion3Pipeline(**parts)
+    else:
+        from tiny_families import mistral_processor, qwen_tokenizer
+
+        parts["tokenizer"] = mistral_processor() if arch == "flux2-dev" else qwen_tokenizer()
+        if arch.startswith("klein"):
+            pipe = Flux2KleinPipeline(**parts, is_distilled=model in estimate.DISTILLED)
+        else:
+            classes = {"qwen-image": QwenImagePipeline, "flux2-dev": Flux2Pipeline, "z-image": ZImagePipeline}
+            pipe = classes[arch](**parts)
     pipe.set_progress_bar_config(disable=True)
     for name in ("vae", "text_encoder", "text_encoder_2", "text_encoder_3", "transformer"):
         module = getattr(pipe, name, None)
@@ -297,8 +399,20 @@ def fingerprint(module):
     return names, torch.stack([p.detach().sum(dtype=torch.float64) for p in module.parameters()]).cpu()
 
 
+def host_has_room(module, margin=16 * GIB) -> bool:
+    """Whether the host's available memory (/proc/meminfo) takes `module` with `margin` to spare."""
+    try:
+        with open("/proc/meminfo") as f:
+            available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return False
+    return available > sum(p.numel() * p.element_size() for p in module.parameters()) + margin
+
+
 def run_configuration(command, *, pipe, kind, tiny, device, tmp, prompts):
-    """One iteration of the command through its algorithm file; what it measured."""
+    """One iteration of the command through its algorithm file; what it measured. The pipeline is left as
+    it came: a --text-cache run's text encoders (fill_text_cache drops them) put back on the CPU, its
+    `text_cache` reader removed, the transformer and the VAE on `device`."""
     import estimate
     import tyro
 
@@ -311,12 +425,23 @@ def run_configuration(command, *, pipe, kind, tiny, device, tmp, prompts):
              "--prompts", prompts, "--eval-prompts", prompts]
     if tiny:
         extra += ["--resolution", "32", "--max-sequence-length", "16"]
+    words = argv.split()
+    if "--text-cache" in words:  # a directory of this check's, filled by this run
+        words[words.index("--text-cache") + 1] = os.path.join(out_dir, "text-cache")
     mod = importlib.import_module(script)
-    args = tyro.cli(mod.Args, args=argv.split() + extra)
+    args = tyro.cli(mod.Args, args=words + extra)
     planned = mod.planned_nfe(args)
     phases, saved = Phases(device), []
 
+    texts = {n: getattr(pipe, n) for n in common.TEXT_ENCODERS if getattr(pipe, n, None) is not None}
+    moved = []
+
     def load_pipeline(model, dev, *, dtype=torch.float32):
+        # --text-cache: start_run loads onto the CPU, fills the cache with the text encoders alone on the
+        # device, then places the pipeline there; the transformer leaves the GPU too where the host has room
+        if torch.device(dev).type == "cpu" != device.type and host_has_room(pipe.transformer):
+            common.place(pipe, dev)
+            moved.append(True)
         return pipe, kind
 
     def save_state(path, **kwargs):  # rundir.Run.save calls it
@@ -335,7 +460,8 @@ def run_configuration(command, *, pipe, kind, tiny, device, tmp, prompts):
     t0 = time.time()
     with contextlib.ExitStack() as stack:
         stack.enter_context(estimate.patched(rundir, "save_state", save_state))
-        patches = {"load_pipeline": load_pipeline, "load_rewards": load_rewards, "optimizer_step": optimizer_step}
+        patches = {"load_pipeline": load_pipeline, "load_rewards": load_rewards,
+                   "optimizer_step": optimizer_step}
         for fn, phase in (("encode_prompts", "encode"), ("velocity", velocity_phase(phases)),
                           ("decode", "decode")):
             patches[fn] = wrapped(getattr(common, fn), phases, phase)
@@ -343,7 +469,7 @@ def run_configuration(command, *, pipe, kind, tiny, device, tmp, prompts):
             for module in (common, rundir):
                 if hasattr(module, fn):
                     stack.enter_context(estimate.patched(module, fn, patch))
-        argv_file = [os.path.join(ROOT, script + ".py"), *argv.split(), *extra]
+        argv_file = [os.path.join(ROOT, script + ".py"), *words, *extra]
         stack.enter_context(estimate.patched(sys, "argv", argv_file))
         stack.enter_context(contextlib.redirect_stdout(sys.stderr))  # its summary: stdout is the report's
         try:
@@ -353,7 +479,12 @@ def run_configuration(command, *, pipe, kind, tiny, device, tmp, prompts):
             result["error"] = f"{type(e).__name__}: {str(e)[:500]}"
         finally:
             phases.close()
+            pipe.register_modules(**{n: m for n, m in texts.items() if getattr(pipe, n, None) is not m})
+            pipe.__dict__.pop("text_cache", None)  # fill_text_cache's reader, which encode_prompts prefers
+            common.place(pipe, device)  # the text encoders back on the CPU, the transformer on the device
     result["wall_seconds"] = round(time.time() - t0, 1)
+    if args.text_cache:
+        result["transformer_off_the_gpu_while_filling"] = bool(moved)
     rows = []
     for run in os.listdir(out_dir):
         path = os.path.join(out_dir, run, "metrics.jsonl")
@@ -401,7 +532,7 @@ def markdown(results: list) -> str:
             est = r.get("estimate", {}).get("seconds, H100")
             it, roll = r["seconds_per_iteration"] or 0, r["rollout_seconds"] or 0
             head += (f"; {it:.1f} s / iteration (rollout {roll:.1f} s; "
-                     f"estimate {est if est is not None else 'n/a'} s on an H100 at 40% MFU), "
+                     f"estimate {est if est is not None else '-'} s on an H100 at 40% MFU), "
                      f"first_ratio_max_dev {r['first_ratio_max_dev']}, NFE {r['nfe']['per_iteration']} "
                      f"(planned {r['nfe']['planned_per_iteration']})")
         lines += [head, ""]
@@ -427,12 +558,14 @@ def main():
                         "rehearses the GPU's dtypes on a CPU)")
     a = p.parse_args()
     import common
+    import estimate
     import rewards
 
     ORIGINAL.update(load_rewards=common.load_rewards, load_rewards_load_safely=rewards.load_safely)
     t_start = time.time()
     device = torch.device("cpu" if a.tiny else "cuda")
-    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, None: torch.float32 if a.tiny else torch.bfloat16}[a.dtype]
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32,
+             None: torch.float32 if a.tiny else torch.bfloat16}[a.dtype]
     commands = configurations(a.only)
     figures = estimated(commands, tiny=a.tiny, path=a.estimate)
     tmp = tempfile.mkdtemp(prefix="gpu_check-")
@@ -440,19 +573,30 @@ def main():
     with open(prompts, "w") as f:
         f.write("\n".join(PROMPTS) + "\n")
     results, builds = [], {}
-    for kind in ("sd3", "flux"):
-        mine = [c for c in commands if model_kind(c) == kind]
-        if not mine:
+    models = {c[0]: model_of(c) for c in commands}
+
+    def guess(command):  # its seconds on an H100 (estimate.md's, else ROUGH_SECONDS) x 1.15 + 10 s
+        rough = ROUGH_SECONDS.get(key(*command[:3]), 0)
+        return figures.get(command[0], {}).get("seconds, H100", rough) * 1.15 + 10
+
+    def skip(command):
+        why = f"budget: {time.time() - t_start:.0f} s + ~{guess(command):.0f} s > {a.budget:.0f} s"
+        results.append({"name": command[0], "key": key(*command[:3]), "ok": False, "skipped": why})
+
+    for model in dict.fromkeys(models.values()):  # one build per model, in the order of first appearance
+        mine = [c for c in commands if models[c[0]] == model]
+        kind = estimate.model_architecture(model)[0]
+        if not a.tiny and time.time() - t_start + min(map(guess, mine)) > a.budget:  # not even built
+            for command in mine:
+                skip(command)
             continue
         t0 = time.time()
-        pipe = build_pipeline(kind, tiny=a.tiny, device=device, dtype=dtype)
-        builds[kind] = round(time.time() - t0, 1)
+        pipe = build_pipeline(model, tiny=a.tiny, device=device, dtype=dtype)
+        builds[model] = round(time.time() - t0, 1)
         base = fingerprint(pipe.transformer)
         for command in mine:
-            guess = figures.get(command[0], {}).get("seconds, H100", 0) * 1.15 + 10
-            if not a.tiny and time.time() - t_start + guess > a.budget:
-                why = f"budget: {time.time() - t_start:.0f} s + ~{guess:.0f} s > {a.budget:.0f} s"
-                results.append({"name": command[0], "key": key(*command[:3]), "ok": False, "skipped": why})
+            if not a.tiny and time.time() - t_start + guess(command) > a.budget:
+                skip(command)
                 continue
             r = run_configuration(command, pipe=pipe, kind=kind, tiny=a.tiny, device=device, tmp=tmp,
                                   prompts=prompts)

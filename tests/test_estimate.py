@@ -6,6 +6,7 @@ import os
 import sys
 
 import pytest
+import torch
 
 from helpers import ROOT, run_script
 
@@ -131,9 +132,15 @@ def test_gpu_check_script_runs_on_a_tiny_model(tmp_path):
     proc = run_script("results/gpu_check.py", ["--tiny", "--dtype", "bf16", "--out", str(out)], check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     configs = json.loads(out.read_text())["configurations"]
-    single = [c for c in estimate.COMMANDS if c[0].startswith("1 GPU:")]
-    sd3 = [c[0] for c in single if gpu_check.model_kind(c) == "sd3"]
-    assert [c["name"] for c in configs] == sd3 + [c[0] for c in single if c[0] not in sd3]  # one build each
+    single = [c for c in estimate.COMMANDS if c[0].startswith("1 GPU") and c[3] == 1]
+    single += gpu_check.FAMILY_CHECKS
+    models = [gpu_check.model_of(c) for c in single]
+    grouped = [c[0] for m in dict.fromkeys(models) for c, n in zip(single, models) if n == m]  # a build each
+    assert [c["name"] for c in configs] == grouped
+    # one command per newer family (models.py), FLUX.2 [klein] and [dev] with a text cache of the check's own
+    families = {estimate.model_architecture(m)[0] for m in models} - {"sd3", "flux"}
+    assert families == {"qwenimage", "flux2", "zimage"} and len(set(models)) == 6
+    assert sum("--text-cache" in c["argv"] for c in configs) == 2
     for c in configs:
         assert c["ok"] and c["iterations"] == 1 and c["checkpoints_saved"] == 1, c
         if c["script"] != "diffusion_nft":  # a ratio of likelihoods (DiffusionNFT has none)
@@ -149,3 +156,59 @@ def test_gpu_check_script_runs_on_a_tiny_model(tmp_path):
     only = run_script("results/gpu_check.py", ["--tiny", "--only", "coca"], check=False)
     assert only.returncode == 0, only.stderr[-3000:]
     assert "### 1 GPU: Flow-GRPO + CoCA" in only.stdout and "### 1 GPU: DenseGRPO" not in only.stdout
+
+
+# one LoRA command per newer family (models.py), small enough for seconds on tiny architectures
+SMALL = " --lora-rank 4 --lora-alpha 8 --prompts-per-iteration 8 --group-size 4 --micro-batch 2 --eval-num 8"
+FAMILY_COMMANDS = [("qwen-image", "flow_grpo", "--model qwen-image --guidance 4 --max-sequence-length 256"),
+                   ("flux2-dev", "awm", "--model flux2-dev --guidance 4"),
+                   ("flux2-klein-base-4b", "diffusion_nft", "--model flux2-klein-base-4b --guidance 4"),
+                   ("z-image", "flow_grpo", "--model z-image --guidance 4")]
+# Qwen-Image and [klein]: COMMANDS' rows, which test_estimate_script_writes_every_command runs as well
+CHECKED = [c for c in FAMILY_COMMANDS if c[0] in ("flux2-dev", "z-image")]
+
+
+@pytest.mark.parametrize("model,script,argv", CHECKED, ids=[c[0] for c in CHECKED])
+def test_every_family_runs(model, script, argv):
+    """Every phase of a newer family's command on its tiny architecture, with the embeddings its velocity
+    reads (true CFG's negatives where the family has them; FLUX.2 [dev] embeds its guidance instead)."""
+    e = estimate.estimate(model, script, argv + SMALL, 8, tiny=True)
+    assert set(e["peak"]) == set(estimate.PHASES) and "fill" not in e
+    assert e["kind"] == estimate.model_architecture(model)[0] and e["flops"]["training step"] > 0
+    assert e["cfg"] == (model != "flux2-dev")
+    assert e["bytes"]["text encoders (on the CPU between encodings)"] == e["text_bytes"] > 0
+    assert min(e["peak"].values()) > sum(e["bytes"].values()) - e["text_bytes"]  # everything resident counted
+
+
+def test_the_text_cache_drops_the_text_encoders():
+    """With --text-cache the encode phases hold the embeddings alone (a smaller peak, no text encoder
+    resident), the start-up's fill holds the encoders, and training is unchanged."""
+    name, script, argv = FAMILY_COMMANDS[2]
+    plain = estimate.estimate(name, script, argv + SMALL, 8, tiny=True)
+    cached = estimate.estimate(name, script, argv + SMALL + " --text-cache /tmp/cache", 8, tiny=True)
+    assert cached["bytes"]["text encoders (on the CPU between encodings)"] == 0
+    for phase in ("encode", "evaluation encode"):
+        assert cached["peak"][phase] < plain["peak"][phase] - plain["text_bytes"] // 2, phase
+    assert cached["fill"] >= plain["text_bytes"]  # the encoders alone on the GPU, encoding 16 prompts
+    assert cached["peak"]["training step"] == pytest.approx(plain["peak"]["training step"], rel=0.01)
+    assert estimate.peak(cached, ("text encoders off the GPU",)) > estimate.peak(cached)
+
+
+def test_released_architectures_have_the_published_sizes():
+    """The configs built at real size (on the meta device, seconds) have the published parameter counts."""
+    for arch, published in estimate.PUBLISHED.items():
+        for built, count in zip(estimate.parameter_counts(arch), published):
+            assert built == pytest.approx(count, rel=0.06 if count < 1e9 else 0.02), arch  # VAEs: "0.08B"
+    aliases = set(__import__("common").MODEL_ALIASES) - {"toy"}
+    assert aliases == set(estimate.ARCHITECTURE)  # every --model alias has its architecture
+
+
+def test_only_models_a_third_of_the_card_stay_gathered_over_a_rollout():
+    """common.fits_gathered on an 80 GB card (as the estimate models it): FLUX.1-dev's and SD3.5-M's bf16
+    weights stay gathered over a rollout, Qwen-Image's and FLUX.2 [dev]'s are gathered a block at a time."""
+    import common
+
+    share = common.GATHER_SHARE * estimate.CARD_BYTES
+    for arch, fits in (("flux", True), ("sd3", True), ("qwen-image", False), ("flux2-dev", False)):
+        assert (2 * estimate.parameter_counts(arch)[0] <= share) == fits, arch
+    assert common.fits_gathered(torch.nn.Linear(4, 4))  # on a CPU: always

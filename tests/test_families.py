@@ -187,7 +187,7 @@ def test_what_a_family_cannot_take_is_one_line(family_dirs, tmp_path, monkeypatc
                             "QwenImageTransformer2DModel; its family's lora_targets (models.py) must name layers it has")
 
 
-@pytest.mark.parametrize("name,guidance", [("qwenimage", 4.0), ("zimage", 4.0), ("flux2-klein", 4.0)])
+@pytest.mark.parametrize("name,guidance", [("qwenimage", 4.0), ("zimage", 4.0), ("flux2-klein", 4.0), ("flux2", 4.0)])
 def test_the_text_cache_gives_the_encoders_embeddings(family_dirs, tmp_path, name, guidance):
     """rundir.fill_text_cache: each prompt's file (a masked embedding cut to its tokens, the negative prompt's
     once), then no text encoder in the pipeline and encode_prompts reads what the encoders gave, bit for bit;
@@ -195,12 +195,14 @@ def test_the_text_cache_gives_the_encoders_embeddings(family_dirs, tmp_path, nam
     import rundir
     pipe, kind = common.load_pipeline(family_dirs[name], torch.device("cpu"))
     direct = common.encode_prompts(pipe, kind, PROMPTS, max_sequence_length=16, cfg=guidance)
-    assert any(k.startswith("neg_") for k in direct)  # true CFG: the negative prompt's embeddings as well
+    negative = name != "flux2"  # true CFG: the negative prompt's embeddings as well ([dev]: a guidance input)
+    assert any(k.startswith("neg_") for k in direct) == negative
     cache = str(tmp_path / "cache")
     rundir.fill_text_cache(pipe, kind, PROMPTS + PROMPTS[:1], directory=cache, device=torch.device("cpu"),
                            max_sequence_length=16, cfg=guidance)
     assert pipe.text_encoder is None and sorted(os.listdir(cache)) == sorted(
-        [os.path.basename(rundir.text_cache_file(cache, p)) for p in PROMPTS] + ["meta.json", "negative.safetensors"])
+        [os.path.basename(rundir.text_cache_file(cache, p)) for p in PROMPTS] + ["meta.json"]
+        + ["negative.safetensors"] * negative)
     cached = common.encode_prompts(pipe, kind, PROMPTS[::-1], max_sequence_length=16, cfg=guidance)
     assert cached.keys() == direct.keys()
     for k, v in direct.items():
