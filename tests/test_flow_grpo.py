@@ -230,13 +230,14 @@ def test_non_finite_gradient_stops_before_any_checkpoint(tiny, tmp_path, monkeyp
 
 def test_prompt_encoding_moves_the_text_encoders_once_per_call():
     """40 prompts, 16 at a time through the encoders: each encoder goes to the transformer's device and back once
-    (T5-XXL is 9.5 GiB each way), not once per 16 prompts."""
+    (T5-XXL is 9.5 GiB each way), not once per 16 prompts; an encoder already there (the text cache's fill) stays."""
     import types
 
     from common import encode_prompts
 
     moves, calls = [], []
-    encoders = [types.SimpleNamespace(to=lambda d, i=i: moves.append((i, str(d)))) for i in range(2)]
+    encoders = [types.SimpleNamespace(to=lambda d, i=i: moves.append((i, str(d))), device=torch.device("cpu"))
+                for i in range(2)]
 
     def encode_prompt(batch, prompt_2=None, device=None, max_sequence_length=16):
         calls.append(len(batch))
@@ -247,6 +248,10 @@ def test_prompt_encoding_moves_the_text_encoders_once_per_call():
     emb = encode_prompts(pipe, "flux", [f"prompt {i}" for i in range(40)], max_sequence_length=16)
     assert calls == [16, 16, 8] and emb["embeds"].shape == (40, 16, 8)
     assert moves == [(0, "cuda:0"), (1, "cuda:0"), (0, "cpu"), (1, "cpu")]
+    encoders[1].device = torch.device("cuda:0")
+    moves.clear()
+    encode_prompts(pipe, "flux", ["a prompt"], max_sequence_length=16)
+    assert moves == [(0, "cuda:0"), (0, "cpu")]
 
 
 @pytest.mark.slow
