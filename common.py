@@ -3,8 +3,9 @@ the order a port to another code base needs.
 
 0. fail: a one-line error instead of a traceback
 1. Samplers, mini-batches and CoCA's credit: shifted_sigmas, dpm2_step (DiffusionNFT's sampler),
-   sa_solver_update, sa_solver (AWM's), training_minibatches, rank_chunks, micro_batches (each rank's
-   training terms), coca_credit (flow_grpo.py --credit coca; here so that its four children need not carry it)
+   dpm_schedule, dpm_solver (DGPO's), sa_solver_update, sa_solver (AWM's), training_minibatches, rank_chunks,
+   micro_batches (each rank's training terms), coca_credit (flow_grpo.py --credit coca; here so that its four
+   children need not carry it)
 2. Model (what differs between families: models.FAMILIES): load_pipeline, check_guidance, latent_shape,
    pipeline_sigmas, encode_prompts, select, velocity (NFE), velocities, ode_complete, decode, make_trainable,
    shard, gathered, as_reference
@@ -27,6 +28,7 @@ import math
 import os
 import sys
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -63,6 +65,27 @@ def dpm2_step(v, x, sigmas, i: int, *, x0_prev=None):
     h, r0 = lam[2] - lam[1], (lam[1] - lam[0]) / (lam[2] - lam[1])
     d = x0 + 0.5 * (x0 - x0_prev) / r0  # D0 + D1 / 2
     return t / s * x - (1 - t) * math.expm1(-h) * d, x0
+
+
+def dpm_schedule(num_steps: int, *, shift: float):
+    """The rollout's schedule (train_sd3_dgpo.py:557-559: Sana's DPMSolverMultistepScheduler, flow sigmas,
+    flow_shift): u = 1 - linspace(1, 1/1000, T + 1), sigma = shift u / (1 + (shift - 1) u) from the largest,
+    the last (0) dropped and 0 appended (float32 [T + 1]); and the noise levels the model sees there and in
+    training, the scheduler's int64 timesteps / 1000 (floor(1000 sigma) / 1000, train:852, 1099-1100; [T])."""
+    u = 1 - np.linspace(1, 1 / 1000, num_steps + 1)
+    s = np.flip(shift * u / (1 + (shift - 1) * u))[:-1]
+    return torch.tensor(np.append(s, 0.0), dtype=torch.float32), torch.tensor(
+        (s * 1000).astype(np.int64) / 1000, dtype=torch.float32)
+
+
+def dpm_solver(velocity_fn, x, sigmas, model_sigmas):
+    """DGPO's rollout (sd3_pipeline_with_logprob.py:142-202, scheduler.step): DPM-Solver++(2M) on data
+    predictions, first order at the first and the last step (to sigma = 0: the last data prediction), the
+    model evaluated at model_sigmas, the steps taken at sigmas; T evaluations, float32."""
+    x0 = None
+    for i in range(len(sigmas) - 1):
+        x, x0 = dpm2_step(velocity_fn(x, model_sigmas[i]), x, sigmas, i, x0_prev=x0)
+    return x
 
 
 def sa_solver_update(x, x0s, times, t: float, tau: float, noise, *, corrector: bool = False):
@@ -709,7 +732,8 @@ ARG_RANGES = {
     "window_stride": ">= 0", "window_shift_interval": ">= 1", "flash_compress": "(0, 1]",
     "nft_beta": "> 0", "decay_type": "[0, 2]",  # DiffusionNFT
     "train_timesteps": ">= 1", "advantage_max": "> 0", "ghuber_power": "> 0", "ema_beta": ">= 0",  # AWM
-    "kl_ema_decay": "[0, 1]",
+    "kl_ema_decay": "[0, 1]", "flow_shift": "> 0", "trunc_steps": ">= 0", "beta_dpo": "> 0",  # DGPO
+    "switch_ema_ref": ">= 0", "kl_threshold": ">= 0",  # Flow-DPPO
     # evaluate.py
     "num_prompts": ">= 1", "seeds_per_prompt": ">= 1", "steps": ">= 1",
 }

@@ -101,6 +101,9 @@ class Args:
     """CoCA: steps per window of similarity gains, a divisor of T (CoCA: 5 of 50 steps, i.e. 10 windows)"""
     coca_alpha: float = 0.0
     """CoCA: a step's advantage is A (alpha + (1 - alpha) s_k), s_k the credit to go"""
+    guard: bool = False
+    """GRPO-Guard: RatioNorm, each step's loss / |dt| (docs/flow_grpo.md); with --guard the official setting
+    is --clip-range 2e-6 (OCR/GenEval) / 4e-6 (PickScore) --learning-rate 1e-4 --beta 0 --no-global-std"""
 
     # Optimisation
     full_finetune: bool = False
@@ -235,6 +238,7 @@ if __name__ == "__main__":
         x = torch.randn(P, G, C, H, W, generator=gen).reshape(P * G, C, H, W).to(run.device)
         latents = [x]
         old_log_probs = []
+        old_means = []  # GRPO-Guard: each step's mean in the rollout
         sampler_velocities = []
         chunks = torch.arange(P * G).split(args.micro_batch)
         emb = encode_prompts(run.pipe, kind, prompts, max_sequence_length=args.max_sequence_length,
@@ -247,6 +251,8 @@ if __name__ == "__main__":
                          for c in chunks]  # the same micro-batches draw the noise, in order
                 latents.append(torch.cat([x_next for x_next, *_ in steps]))
                 old_log_probs.append(torch.cat([log_prob for _, log_prob, *_ in steps]))
+                if args.guard:
+                    old_means.append(torch.cat([mean for *_, mean, _ in steps]))
                 if args.credit == "coca":  # for x0_hat_k below
                     sampler_velocities.append(v)
             images = torch.cat([decode(run.pipe, latents[-1][c]) for c in chunks])
@@ -285,8 +291,13 @@ if __name__ == "__main__":
                 _, log_prob, mean, std = sde_step(v, latents[j][c], sigmas, j, noise_levels[j],
                                                   prev_sample=latents[j + 1][c])
                 ratio = torch.exp(log_prob - old_log_probs[j][c])
+                if args.guard:  # RatioNorm (train_sd3_GRPO_Guard.py:915-919; bias: a micro-batch mean, :917)
+                    bias = ((mean - old_means[j][c]) ** 2).mean() / (2 * std**2)
+                    ratio = torch.exp((log_prob - old_log_probs[j][c] + bias) * std)
                 clipped_ratio = ratio.clamp(1 - args.clip_range, 1 + args.clip_range)
                 policy_loss = torch.max(-adv * ratio, -adv * clipped_ratio).mean()
+                if args.guard:  # the gradient reweighting: the step's loss / |dt| (:931-932)
+                    policy_loss = policy_loss / float(sigmas[j] - sigmas[j + 1])
                 kl = torch.zeros_like(policy_loss)
                 if args.beta > 0:  # the KL of the step means (Flow-GRPO's code)
                     with torch.no_grad(), amp, as_reference(transformer, run.ref_model) as reference:

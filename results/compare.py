@@ -10,6 +10,7 @@ Resumable: finished runs are kept in results/compare/raw/ and skipped; an interr
 checkpoint under --runs-dir. The summary needs only raw/, so it can be rebuilt anywhere.
 """
 import argparse
+import glob
 import json
 import math
 import os
@@ -47,12 +48,15 @@ CONFIGS = {
     "flow_grpo_shape_only": ("flow_grpo.py", ["--rewards", B, "--eval-rewards", A, S], 3),
     "diffusion_nft": ("diffusion_nft.py", [], 0),  # run in the equal-compute comparison only (EQUAL)
     "awm": ("awm.py", [], 0),
+    "dgpo": ("dgpo.py", [], 0),
+    "flow_dppo": ("flow_dppo.py", [], 0),
+    "flow_grpo_guard": ("flow_grpo.py", ["--guard", "--beta", "0", "--clip-range", "2e-6"], 0),  # docs/flow_grpo.md
 }
 # The equal-compute comparison (--equal; results/compare/equal/): every file's preset, each run to at least the NFE
 # of 60 Flow-GRPO iterations, so that the cheaper methods are not cut off before they plateau. {config: seeds}: 10
 # for the rows of the efficiency claims (DiffusionNFT, AWM and MixGRPO-Flash against their baselines), else 5.
 EQUAL = {"flow_grpo": 10, "flow_grpo_coca": 5, "dancegrpo": 5, "mixgrpo": 10, "mixgrpo_flash": 10, "g2rpo_L123": 5,
-         "dense_calibrated": 5, "diffusion_nft": 10, "awm": 10}
+         "dense_calibrated": 5, "diffusion_nft": 10, "awm": 10, "dgpo": 10, "flow_dppo": 10, "flow_grpo_guard": 5}
 EQUAL_SETTINGS = {"budget_nfe": 60 * 3072, "eval_every": 10, "out": os.path.join(ROOT, "results", "compare", "equal"),
                   "runs_dir": os.path.join(ROOT, "runs", "compare_equal")}
 # The papers' main tables, each row a config: name: (title, {config: the paper's row name}, claims); a claim is
@@ -314,7 +318,8 @@ def cpu_of(run, row, units) -> float:
     m = machine_of(run, row["iteration"])
     if m not in units:
         sys.exit(f"error: {run['config']} seed {run['seed']} trained on machine {m}, where no flow_grpo run measured "
-                 "the CPU unit; run a flow_grpo seed there (python results/compare.py --equal --configs flow_grpo)")
+                 "the CPU unit; run a new flow_grpo seed there (python results/compare.py --equal --configs flow_grpo "
+                 "--seeds N --iterations 10, N a seed not in raw/)")
     return seconds / units[m]
 
 
@@ -462,12 +467,17 @@ def paper_table(cv, runs, title, rows, claims):
 # ---------------------------------------------------------------- the equal-compute comparison (--equal)
 EQUAL_ROWS = {"flow_grpo": "Flow-GRPO", "flow_grpo_coca": "Flow-GRPO + CoCA", "dancegrpo": "DanceGRPO",
               "mixgrpo": "MixGRPO", "mixgrpo_flash": "MixGRPO-Flash", "g2rpo_L123": "G2RPO, Lambda {1, 2, 3}",
-              "dense_calibrated": "DenseGRPO", "diffusion_nft": "DiffusionNFT", "awm": "AWM"}
+              "dense_calibrated": "DenseGRPO", "diffusion_nft": "DiffusionNFT", "awm": "AWM", "dgpo": "DGPO",
+              "flow_dppo": "Flow-DPPO", "flow_grpo_guard": "Flow-GRPO + GRPO-Guard"}
 EFFICIENCY = [  # the papers' efficiency claims: (what the paper finds, a, b, kind), judged at equal NFE and CPU time
     ("DiffusionNFT beats Flow-GRPO (its paper: 3x-25x faster)", "diffusion_nft", "flow_grpo", "better"),
     ("AWM beats Flow-GRPO (its paper: up to 24x faster)", "awm", "flow_grpo", "better"),
     ("MixGRPO-Flash beats MixGRPO (its paper: less time for a comparable reward)", "mixgrpo_flash", "mixgrpo",
-     "better")]
+     "better"),
+    ("DGPO beats Flow-GRPO (its paper: ~20x faster)", "dgpo", "flow_grpo", "better"),
+    ("DGPO beats AWM", "dgpo", "awm", "better"),
+    ("DGPO beats DiffusionNFT", "dgpo", "diffusion_nft", "better"),
+    ("Flow-DPPO beats Flow-GRPO", "flow_dppo", "flow_grpo", "better")]
 BOOTSTRAP = 1000  # resamples of the seeds for the error bars of the NFE / CPU time to reach a reward
 MIN_SEEDS = 3  # a speed-up's verdict needs this many seeds on each side (2 seeds have only 3 distinct resamples)
 
@@ -550,7 +560,10 @@ def equal_compute(out):
     runs = {c: rs for c, rs in load(argparse.Namespace(**vars(e), configs=list(EQUAL))).items()}
     if not runs:
         return []
-    units = cpu_units(runs.get("flow_grpo", []))
+    # the CPU unit of each machine: every flow_grpo run in raw/, also the seeds past EQUAL's that a machine adding
+    # rows runs for its unit alone (--configs flow_grpo --seeds 10 --iterations 10)
+    extra = sorted(glob.glob(os.path.join(out, "raw", "flow_grpo__seed*.json")))
+    units = cpu_units([json.load(open(f)) for f in extra])
     cv = {c: [curves(r, units) for r in rs] for c, rs in runs.items()}
     eq_nfe = min(x[-1]["nfe"] for xs in cv.values() for x in xs)
     eq_cpu = min(x[-1]["cpu"] for xs in cv.values() for x in xs)

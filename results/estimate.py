@@ -102,6 +102,15 @@ COMMANDS = [
     ("1 GPU (24 GB): Flow-GRPO, FLUX.2 [klein] base 4B (LoRA, text cache)", "flow_grpo", "--model "
      "flux2-klein-base-4b --guidance 4 --lora-rank 32 --lora-alpha 64 --prompts-per-iteration 1 --group-size 8 "
      "--micro-batch 4 --eval-num 64 --text-cache /cache/klein4b", 1),
+    # the methods of 2026 (appended: the indices above are cited by results/estimate*.md)
+    ("DGPO, SD3.5-M, PickScore (LoRA)", "dgpo", "", 4),  # the official 4 GPUs
+    ("DGPO, FLUX.1-dev, PickScore (LoRA)", "dgpo", "--model flux-dev --guidance 3.5 --eval-steps 28", 4),
+    ("Flow-DPPO, SD3.5-M, PickScore (LoRA)", "flow_dppo", "", 8),
+    ("Flow-DPPO, FLUX.1-dev, PickScore (LoRA)", "flow_dppo", "--model flux-dev --guidance 3.5 --eval-steps 28", 8),
+    ("Flow-GRPO + GRPO-Guard, SD3.5-M, PickScore (LoRA)", "flow_grpo", "--guard --clip-range 4e-6 "
+     "--learning-rate 1e-4 --beta 0 --no-global-std --micro-batch 9", 8),
+    ("1 GPU: DGPO, SD3.5-M (LoRA)", "dgpo", "--prompts-per-iteration 1 --eval-num 64", 1),
+    ("1 GPU: Flow-DPPO, SD3.5-M (LoRA)", "flow_dppo", "--prompts-per-iteration 2 --eval-num 64", 1),
 ]
 # evaluate.py's evaluation of FLUX.1-dev, modelled with rundir.Run.evaluate's phases
 EVALUATE = dict(name="evaluate.py, FLUX.1-dev, 720 px, 50 steps, 400 prompts, 8 GPUs", kind="flux",
@@ -684,6 +693,8 @@ def rollout_steps(mod, script: str, args) -> dict:
     T = args.num_steps
     if script == "awm":  # SA-Solver's state: x, the predictor's x_p, two data predictions (float32)
         return {"latents": 4, "log_probs": 0, "velocities": 0}
+    if script == "dgpo":  # DPM-Solver++'s state: x, its data prediction and the previous one (float32)
+        return {"latents": 3, "log_probs": 0, "velocities": 0}
     if script == "mixgrpo":  # the ODE outside the window; Flash: fewer DPM-Solver++ steps after it
         last = mod.window_steps(args, 0)[-1]
         steps = last + mod.flash_points(args, last) if args.flash else T
@@ -691,7 +702,8 @@ def rollout_steps(mod, script: str, args) -> dict:
     if script == "diffusion_nft":  # the ODE's latents only
         return {"latents": T + 1, "log_probs": 0, "velocities": 0}
     velocities = T if keeps_sampler_velocities(script, args) else 0
-    return {"latents": T + 1, "log_probs": T, "velocities": velocities}
+    means = T if script == "flow_dppo" or getattr(args, "guard", False) else 0  # each step's rollout mean
+    return {"latents": T + 1 + means, "log_probs": T, "velocities": velocities}
 
 
 def estimate(name, script, argv, world, *, tiny=False, undo=(), phases=None):
@@ -712,6 +724,8 @@ def estimate(name, script, argv, world, *, tiny=False, undo=(), phases=None):
         mod.check_args(args, world)
     kind, arch = model_architecture(args.model)
     beta, nfe, cache = args.beta, mod.planned_nfe(args), bool(args.text_cache)
+    if script == "dgpo" and not args.ema_reference:  # the DPO margin's base model: a reference at any beta
+        beta = max(beta, 1e-30)
     P, G, T = args.prompts_per_iteration // world, args.group_size, args.num_steps
     mb, bf16, sharded = min(args.micro_batch, P * G), torch.bfloat16, args.full_finetune and world > 1
     checkpointing = args.gradient_checkpointing and "activation checkpointing" not in undo
@@ -789,7 +803,7 @@ def estimate(name, script, argv, world, *, tiny=False, undo=(), phases=None):
         optimizer.zero_grad(set_to_none=True)
         ema = [p.detach().float().clone() for p in params] if args.ema else []
         old = [p.detach().clone() for p in params] if script == "diffusion_nft" else []  # DiffusionNFT's
-        kl_ema = [p.detach().clone() for p in params] if script == "awm" else []  # AWM's KL-EMA weights
+        kl_ema = [p.detach().clone() for p in params] if script in ("awm", "dgpo") else []  # KL-EMA, EMA ref
         ema += kl_ema
         resident = [transformer, vae, optimizer, *loaded.values()] + ([ref] if ref is not None else []) + ema + old
         trainable = nbytes(*params) if not sharded else nbytes(transformer)
@@ -888,6 +902,8 @@ def estimate(name, script, argv, world, *, tiny=False, undo=(), phases=None):
                     step_buffers += [lat(N, bf16), lat(N), lat(N)] + ([lat(N), lat(N)] if args.flash else [])
                 elif script == "diffusion_nft":  # v, x0 and x0_prev of dpm2, under the swapped-in old weights
                     step_buffers += [lat(N, bf16), lat(N), lat(N)]
+                elif script == "dgpo":  # v (x, x0 and x0_prev are kept)
+                    step_buffers += [lat(N, bf16)]
                 with common.swapped_in(params, old):
                     common.velocity(transformer, kind, x, sigmas[1], e, guidance=args.guidance)
                 del step_buffers
@@ -939,6 +955,20 @@ def estimate(name, script, argv, world, *, tiny=False, undo=(), phases=None):
             adv, old_log_probs = torch.ones(mb if script != "g2rpo" else train_rows * G), torch.zeros(mb)
             e = common.select(emb, rows[:train_rows])
             xt = lat(train_rows)
+            if script == "dgpo":  # dgpo.py's lines: the EMA reference's forward (swapped in), the policy's, the base's
+                t, eps = 0.5, lat(train_rows)
+                x_t = (1 - t) * xt + t * eps
+                with torch.no_grad(), common.swapped_in(params, kl_ema):
+                    v_ema = common.velocity(transformer, kind, x_t, t, e, guidance=args.guidance)
+                v = common.velocity(transformer, kind, x_t, t, e, guidance=args.guidance)
+                with torch.no_grad(), common.as_reference(transformer, ref) as reference:
+                    v_ref = common.velocity(reference, kind, x_t, t, e, guidance=args.guidance)
+                mse, mse_ema, mse_ref = (((eps - xt - w.double()) ** 2).mean(dim=(1, 2, 3))
+                                         for w in (v, v_ema, v_ref))
+                weight = torch.sigmoid(adv * (mse - mse_ref).detach())
+                loss = (weight * adv * torch.where(mse_ema > mse, mse.detach(), mse)).mean()
+                (loss + beta * ((v.double() - v_ref.double()) ** 2).mean()).backward()
+                return
             if script == "awm":  # awm.py's lines: the KL-EMA's forward (swapped in), the policy's, the reference's
                 t, eps = 0.5, lat(train_rows)
                 x_t = (1 - t) * xt + t * eps
@@ -960,8 +990,13 @@ def estimate(name, script, argv, world, *, tiny=False, undo=(), phases=None):
                 v, xt, old_log_probs = v[members], xt[members], torch.zeros(len(members))
             _, log_prob, mean, std = mod.sde_step(v, xt, sigmas, j, args.noise_level, prev_sample=lat(len(xt)))
             ratio = torch.exp(log_prob - old_log_probs)
-            clipped_ratio = ratio.clamp(1 - args.clip_range, 1 + args.clip_range)
-            policy_loss = torch.max(-adv * ratio, -adv * clipped_ratio).mean()
+            if script == "flow_dppo":  # the trust region's mask instead of the clip
+                kl_old = ((mean - lat(len(xt))) ** 2).mean(dim=(1, 2, 3)) / (2 * std**2)
+                drop = (kl_old >= args.kl_threshold) & (ratio > 1)
+                policy_loss = torch.where(drop, torch.zeros_like(ratio), -adv * ratio).mean()
+            else:
+                clipped_ratio = ratio.clamp(1 - args.clip_range, 1 + args.clip_range)
+                policy_loss = torch.max(-adv * ratio, -adv * clipped_ratio).mean()
             kl = torch.zeros_like(policy_loss)
             if beta > 0:  # the KL of the step means (Flow-GRPO's code)
                 with torch.no_grad(), common.as_reference(transformer, ref) as reference:

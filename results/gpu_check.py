@@ -504,23 +504,25 @@ def run_configuration(command, *, pipe, kind, tiny, device, tmp, prompts):
     return result
 
 
-def estimated(commands, *, tiny: bool, path: str) -> dict:
-    """{command: {phase: GiB, "seconds, H100": s}} from an estimate.md (--tiny: written now by estimate)."""
+def estimated(commands, *, tiny: bool, paths: list) -> dict:
+    """{command: {phase: GiB, "seconds, H100": s}} from estimate.md files; --tiny: the commands none of them has
+    are estimated now (tiny architectures)."""
     import estimate
 
-    if tiny:
-        path = os.path.join(tempfile.mkdtemp(), "estimate.md")
+    have = set().union(*(estimate.read_table(p) for p in paths if os.path.isfile(p)))
+    missing = [c for c in commands if c[0] not in have]
+    if tiny and missing:
+        paths = [*paths, os.path.join(tempfile.mkdtemp(), "estimate.md")]
         with contextlib.redirect_stdout(sys.stderr):
-            estimate.report([estimate.estimate(*c, tiny=True) for c in commands], path, 0)
-    if not os.path.isfile(path):
-        return {}
+            estimate.report([estimate.estimate(*c, tiny=True) for c in missing], paths[-1], 0)
     out = {}
-    for name, row in estimate.read_table(path).items():
-        cells = {p: float(row[p]) for p in estimate.PHASES if p in row}
-        column = next((c for c in row if c.startswith("seconds / iteration")), None)
-        if column:
-            cells["seconds, H100"] = float(row[column].split("/")[-1].replace(",", ""))
-        out[name] = cells
+    for path in [p for p in paths if os.path.isfile(p)]:
+        for name, row in estimate.read_table(path).items():
+            cells = {p: float(row[p]) for p in estimate.PHASES if p in row}
+            column = next((c for c in row if c.startswith("seconds / iteration")), None)
+            if column:
+                cells["seconds, H100"] = float(row[column].split("/")[-1].replace(",", ""))
+            out[name] = cells
     return out
 
 
@@ -551,7 +553,8 @@ def main():
     p.add_argument("--tiny", action="store_true", help="tiny architectures on the CPU (the tests run this)")
     p.add_argument("--only", nargs="*", default=None, help="configuration keys or parts of their names")
     p.add_argument("--out", default=None, help="also write the JSON here")
-    p.add_argument("--estimate", default=os.path.join(ROOT, "results", "estimate.md"))
+    p.add_argument("--estimate", default=None, help="the estimate.md to compare with (default: results/estimate*.md;"
+                   " --tiny: a tiny estimate made now of the commands it lacks)")
     p.add_argument("--budget", type=float, default=460.0, help="skip a configuration estimated to end later")
     p.add_argument("--dtype", choices=["bf16", "fp32"], default=None,
                    help="the models' dtype (default: bf16 on the GPU, fp32 with --tiny; --tiny --dtype bf16 "
@@ -567,7 +570,8 @@ def main():
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32,
              None: torch.float32 if a.tiny else torch.bfloat16}[a.dtype]
     commands = configurations(a.only)
-    figures = estimated(commands, tiny=a.tiny, path=a.estimate)
+    results_md = [os.path.join(ROOT, "results", f"estimate{x}.md") for x in ("", "_families", "_2026")]
+    figures = estimated(commands, tiny=a.tiny, paths=[a.estimate] if a.estimate else [] if a.tiny else results_md)
     tmp = tempfile.mkdtemp(prefix="gpu_check-")
     prompts = os.path.join(tmp, "prompts.txt")
     with open(prompts, "w") as f:

@@ -229,7 +229,7 @@ def test_paper_command_lines_parse():
     assert (default.num_steps, default.group_size, default.beta, default.noise_level) == (10, 24, 0.01, 0.7)
 
 
-@pytest.mark.parametrize("script", ["flow_grpo.py", "diffusion_nft.py", "awm.py"])
+@pytest.mark.parametrize("script", ["flow_grpo.py", "diffusion_nft.py", "awm.py", "dgpo.py", "flow_dppo.py"])
 def test_the_readmes_command_lines_parse_and_pass_the_checks(script):
     """Every command line of the forward-process files in README.md and docs/ (continuation lines joined) parses and passes
     check_args at its world size, before any model or prompt file is read."""
@@ -272,7 +272,7 @@ def test_toy_preset_explicit_flags_win(monkeypatch):
 
 
 @pytest.mark.parametrize("script", ["flow_grpo.py", "densegrpo.py", "dancegrpo.py", "mixgrpo.py", "g2rpo.py",
-                                    "diffusion_nft.py", "awm.py"])
+                                    "diffusion_nft.py", "awm.py", "dgpo.py", "flow_dppo.py"])
 def test_help(script):
     """--help starts with the file's description, shows each default once, shows the TOY preset's values with
     --model toy, and `--help | head` ends without a BrokenPipeError traceback."""
@@ -286,7 +286,8 @@ def test_help(script):
     out = run_script(script, ["--help"]).stdout
     names = {"flow_grpo.py": "Flow-GRPO:", "densegrpo.py": "DenseGRPO:", "dancegrpo.py": "DanceGRPO:",
              "mixgrpo.py": "MixGRPO:", "g2rpo.py": "G2RPO:", "diffusion_nft.py": "DiffusionNFT:",
-             "awm.py": "AWM (Advantage Weighted Matching):"}
+             "awm.py": "AWM (Advantage Weighted Matching):",
+             "dgpo.py": "DGPO (Direct Group Preference Optimization):", "flow_dppo.py": "Flow-DPPO:"}
     assert out.splitlines()[2].startswith(names[script])
     tree = ast.parse(open(os.path.join(ROOT, script)).read())
     args = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Args")
@@ -327,7 +328,8 @@ def test_unreadable_reward_weights_are_one_line_errors_before_the_model_loads(tm
         out.stderr[-2000:]
 
 
-ENTRY_POINTS = ["flow_grpo", "densegrpo", "dancegrpo", "g2rpo", "mixgrpo", "diffusion_nft", "awm", "evaluate"]
+ENTRY_POINTS = ["flow_grpo", "densegrpo", "dancegrpo", "g2rpo", "mixgrpo", "diffusion_nft", "awm", "dgpo", "flow_dppo",
+                "evaluate"]
 
 
 def numeric_fields(module):
@@ -385,7 +387,7 @@ def test_every_numeric_argument_is_checked_before_any_model_loads(name, tmp_path
     script = f"{name}.py"
     flags = {"flow_grpo": ["--clip-range", "-1"], "densegrpo": ["--eps2", "nan"], "dancegrpo": ["--shift", "0"],
              "g2rpo": ["--lambdas", "0"], "mixgrpo": ["--window-stride", "-1"], "diffusion_nft": ["--nft-beta", "0"],
-             "awm": ["--ghuber-power", "0"],
+             "awm": ["--ghuber-power", "0"], "dgpo": ["--beta-dpo", "0"], "flow_dppo": ["--kl-threshold", "-1"],
              "evaluate": ["--steps", "0"]}[name]
     proc = run_script(script, ["--model", str(tmp_path / "no-model"), *flags], check=False)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]

@@ -104,13 +104,20 @@ def test_reward_models_and_evaluation_rows():
     assert set(ev["peak"]) == {"encode", "ODE", "decode", "rewards"} and ev["total_flops"] > 0
 
 
-@pytest.mark.slow
-def test_estimate_script_writes_every_command(tmp_path):
-    """Every command, reward model and evaluation in the report's tables (the re-measurements of the before/after
-    table, estimate.undone, are test_undoing_a_change_never_lowers_the_peak's)."""
-    out = tmp_path / "estimate.md"
+@pytest.fixture(scope="module")
+def tiny_report(tmp_path_factory):
+    """results/estimate.py --tiny's report (gpu_check's test compares with it too)."""
+    out = tmp_path_factory.mktemp("estimate") / "estimate.md"
     proc = run_script("results/estimate.py", ["--tiny", "--no-undo", "--out", str(out)], check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+@pytest.mark.slow
+def test_estimate_script_writes_every_command(tiny_report):
+    """Every command, reward model and evaluation in the report's tables (the re-measurements of the before/after
+    table, estimate.undone, are test_undoing_a_change_never_lowers_the_peak's)."""
+    out = tiny_report
     text = out.read_text()
     for name, *_ in estimate.COMMANDS:
         assert text.count(f"| {name} |") == 3, name  # the peak, the resident and the before/after tables
@@ -124,12 +131,13 @@ def test_estimate_script_writes_every_command(tmp_path):
 
 
 @pytest.mark.slow
-def test_gpu_check_script_runs_on_a_tiny_model(tmp_path):
+def test_gpu_check_script_runs_on_a_tiny_model(tmp_path, tiny_report):
     """results/gpu_check.py is what a session with a GPU runs: one whole iteration of each single-GPU
     configuration through its algorithm file; its code path works on a CPU, on tiny models."""
     out = tmp_path / "gpu_check.json"
     # in bf16, the GPU's dtype: a float32 buffer filled with bf16 velocities failed only there
-    proc = run_script("results/gpu_check.py", ["--tiny", "--dtype", "bf16", "--out", str(out)], check=False)
+    proc = run_script("results/gpu_check.py", ["--tiny", "--dtype", "bf16", "--out", str(out), "--estimate",
+                                               str(tiny_report)], check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     configs = json.loads(out.read_text())["configurations"]
     single = [c for c in estimate.COMMANDS if c[0].startswith("1 GPU") and c[3] == 1]
@@ -143,7 +151,7 @@ def test_gpu_check_script_runs_on_a_tiny_model(tmp_path):
     assert sum("--text-cache" in c["argv"] for c in configs) == 2
     for c in configs:
         assert c["ok"] and c["iterations"] == 1 and c["checkpoints_saved"] == 1, c
-        if c["script"] != "diffusion_nft":  # a ratio of likelihoods (DiffusionNFT has none)
+        if c["script"] not in ("diffusion_nft", "dgpo"):  # a ratio of likelihoods (DiffusionNFT, DGPO: none)
             assert c["first_ratio_max_dev"] == 0, c["name"]  # sampling and training agree exactly
         nfe = c["nfe"]
         assert nfe["rollout_per_prompt"] == nfe["planned_rollout_per_prompt"], c["name"]
@@ -153,9 +161,7 @@ def test_gpu_check_script_runs_on_a_tiny_model(tmp_path):
         assert "training step" in c["measured_gib"] and c["lora gradients"] > 0, c["name"]
         assert c["base_weights_unchanged"] and c["seconds_per_iteration"] > 0 and c["rollout_seconds"] > 0
     assert "| training step |" in proc.stdout
-    only = run_script("results/gpu_check.py", ["--tiny", "--only", "coca"], check=False)
-    assert only.returncode == 0, only.stderr[-3000:]
-    assert "### 1 GPU: Flow-GRPO + CoCA" in only.stdout and "### 1 GPU: DenseGRPO" not in only.stdout
+    assert [c[0] for c in gpu_check.configurations(["coca"])] == ["1 GPU: Flow-GRPO + CoCA, SD3.5-M (LoRA)"]
 
 
 # one LoRA command per newer family (models.py), small enough for seconds on tiny architectures

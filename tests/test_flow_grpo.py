@@ -1,5 +1,6 @@
 """flow_grpo.py end to end on tiny random Flux and SD3 pipelines (CPU, offline)."""
 import json
+import math
 import os
 
 import pytest
@@ -275,3 +276,135 @@ def test_metrics_count_every_rank_when_the_ranks_differ(tmp_path):
         assert m[it]["perf/nfe_per_iteration"] == 2 * plan["rollout"] + busy * plan["train"], (it, m[it])
         uneven += busy == 1
     assert uneven > 0  # at least one iteration where one rank trained and the other did not
+
+
+def official_sde_step(v, x, x_next, sigmas, i: int, noise_level: float):
+    """sde_step_with_logprob (flow_grpo/diffusers_patch/sd3_sde_with_logprob.py:37-92, sde_type 'sde',
+    return_sqrt_dt) written out for a batch at step i: (log_prob [B], prev_sample_mean, std_dev_t [B, 1, 1, 1],
+    sqrt(-dt) [B, 1, 1, 1])."""
+    v, x, x_next = v.float(), x.float(), x_next.float()
+    sigma = sigmas[i].float().expand(len(x)).view(-1, 1, 1, 1)
+    sigma_prev = sigmas[i + 1].float().expand(len(x)).view(-1, 1, 1, 1)
+    sigma_max = sigmas[1].item()
+    dt = sigma_prev - sigma
+    std_dev_t = torch.sqrt(sigma / (1 - torch.where(sigma == 1, sigma_max, sigma))) * noise_level
+    prev_sample_mean = x * (1 + std_dev_t**2 / (2 * sigma) * dt) + v * (1 + std_dev_t**2 * (1 - sigma) / (2 * sigma)) * dt
+    log_prob = (-((x_next.detach() - prev_sample_mean) ** 2) / (2 * ((std_dev_t * torch.sqrt(-1 * dt)) ** 2))
+                - torch.log(std_dev_t * torch.sqrt(-1 * dt)) - torch.log(torch.sqrt(2 * torch.as_tensor(math.pi))))
+    log_prob = log_prob.mean(dim=tuple(range(1, log_prob.ndim)))
+    return log_prob, prev_sample_mean, std_dev_t, torch.sqrt(-1 * dt)
+
+
+def official_guard_loss(log_prob, old_log_prob, mean, old_mean, std_dev_t, sqrt_dt, adv, clip_range, *, per_sample=False):
+    """train_sd3_GRPO_Guard.py:910-932 (config.rationorm, beta 0) for one micro-batch at one step. The bias's
+    `.mean(dim=tuple(range(1, log_prob.ndim)))` with a 1-d log_prob reduces over every dimension (torch's dim=()):
+    one value per micro-batch; per_sample: verl-omni's GRPOGuardLoss (a value per sample), for comparison."""
+    adv = torch.clamp(adv, -5.0, 5.0)  # adv_clip_max (config/base.py)
+    sigma_t = std_dev_t.mean()
+    ratio_mean_bias = (mean - old_mean).pow(2).mean(dim=(1, 2, 3) if per_sample else tuple(range(1, log_prob.ndim)))
+    ratio_mean_bias = ratio_mean_bias / (2 * (sqrt_dt.mean() * sigma_t) ** 2)
+    ratio = torch.exp((log_prob - old_log_prob + ratio_mean_bias) * (sqrt_dt.mean() * sigma_t))
+    unclipped_loss = -adv * ratio
+    clipped_loss = -adv * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
+    policy_loss = torch.mean(torch.maximum(unclipped_loss, clipped_loss))
+    return policy_loss / (sqrt_dt.mean() ** 2), ratio
+
+
+def test_guard_update_is_the_official_one(tiny, tmp_path, monkeypatch):
+    """--guard, one iteration of two optimizer steps on a tiny SD3 (LoRA, no CFG): the logged policy loss of both
+    mini-batches and the second step's gradient (its ratio away from 1) equal GRPO-Guard's official loss written
+    out here (train_sd3_GRPO_Guard.py:903-932 on sd3_sde_with_logprob.py, accumulated as accelerate does: the mean
+    over the (micro-batch, step) terms) from the run's samples, advantages and mini-batches alone."""
+    import common
+    from helpers import run_in_process
+
+    seen = {"rollout": [], "terms": [], "steps": []}
+    clip_range, lr, a = 0.05, 3e-2, 0.7
+
+    def keep_rollout(real):  # the rollout's latents at every step, its embeddings and rows
+        def spy(transformer, kind, x, sigma, emb, *, rows, chunks, guidance):
+            seen["rollout"].append(x.clone())
+            seen["emb"], seen["rows"] = emb, rows
+            return real(transformer, kind, x, sigma, emb, rows=rows, chunks=chunks, guidance=guidance)
+        return spy
+
+    def keep(name, many=False):
+        def wrap(real):
+            def spy(*a, **k):
+                out = real(*a, **k)
+                seen[name].append(out) if many else seen.__setitem__(name, out)
+                return out
+            return spy
+        return wrap
+
+    def start_run_spy(real):
+        def spy(*a, **k):
+            run = seen["run"] = real(*a, **k)
+            real_step = run.optimizer_step
+
+            def optimizer_step(terms):
+                seen["steps"].append({n: p.detach().clone() for n, p in run.params.items()})
+                u = len(seen["steps"]) - 1
+                if u == 1:
+                    seen["file_gradient"] = {n: p.grad.clone() for n, p in run.params.items()}
+                nfe = common.NFE["count"]
+                seen.setdefault("official_loss", []).append(official(run, u, gradient=u == 1))
+                common.NFE["count"] = nfe  # the test's forwards are not the file's
+                return real_step(terms)
+            run.optimizer_step = optimizer_step
+            return run
+        return spy
+
+    def official(run, u, gradient, per_sample=False):
+        """Mini-batch u's official loss (and, with gradient, its gradient) at the weights now."""
+        x, params = seen["rollout"], run.params
+        sigmas = common.pipeline_sigmas(run.pipe, "sd3", num_steps=4, shape=run.shape)
+        adv = seen["advantages"].reshape(-1)
+        now = {n: p.detach().clone() for n, p in params.items()}
+
+        def v_of(j, c):
+            emb = common.select(seen["emb"], seen["rows"][c])
+            return common.velocity(run.transformer, "sd3", x[j][c], sigmas[j], emb, guidance=1.0)
+
+        terms = seen["terms"][u]
+        with torch.no_grad():  # the rollout's log-probs and means: the initial weights
+            for n, p in params.items():
+                p.copy_(seen["steps"][0][n])
+            old = [official_sde_step(v_of(j, c), x[j][c], x[j + 1][c], sigmas, j, a)[:2] for j, c, _ in terms]
+            for n, p in params.items():
+                p.copy_(now[n])
+        losses = []
+        with torch.set_grad_enabled(gradient):
+            for (j, c, _), (old_log_prob, old_mean) in zip(terms, old):
+                log_prob, mean, std_dev_t, sqrt_dt = official_sde_step(v_of(j, c), x[j][c], x[j + 1][c], sigmas, j, a)
+                loss, _ = official_guard_loss(log_prob, old_log_prob, mean, old_mean, std_dev_t, sqrt_dt, adv[c],
+                                              clip_range, per_sample=per_sample)
+                losses.append(loss)
+        loss = torch.stack(losses).mean()  # accelerate: each term's loss / the accumulated terms
+        if gradient:
+            grads = torch.autograd.grad(loss, list(params.values()))
+            seen["official_gradient" + ("_per_sample" if per_sample else "")] = dict(zip(params, grads))
+            if not per_sample:
+                official(run, u, gradient, per_sample=True)
+        return [float(v.detach()) for v in losses]
+
+    flags = tiny_flags(tiny["sd3"], tiny["prompts"], tmp_path, guidance=1.0, num_iterations=1, eval_every=0,
+                       updates_per_iteration=2, guard=True, beta=0.0, clip_range=clip_range, learning_rate=lr,
+                       no_global_std=True)
+    run_in_process("flow_grpo.py", flags, monkeypatch, wrap={
+        "start_run": start_run_spy, "velocities": keep_rollout, "combined_advantages": keep("advantages"),
+        "micro_batches": keep("terms", many=True)})
+
+    assert len(seen["steps"]) == 2 and [len(t) for t in seen["terms"]] == [3, 3]  # 3 trained steps, 4 samples each
+    flat = lambda g: torch.cat([g[n].flatten() for n in sorted(g)])  # noqa: E731
+    file, official_grad = flat(seen["file_gradient"]), flat(seen["official_gradient"])
+    error = ((file - official_grad).norm() / official_grad.norm()).item()
+    other = ((flat(seen["official_gradient_per_sample"]) - official_grad).norm() / official_grad.norm()).item()
+    print(f"relative gradient error {error:.1e}; a per-sample bias (verl-omni) differs by {other:.1e}")
+    assert error < 1e-5
+    _, m = read_metrics(tmp_path)
+    losses = seen["official_loss"][0] + seen["official_loss"][1]
+    scale = sum(map(abs, losses)) / len(losses)  # the terms' mean nearly cancels (the advantages sum to ~0)
+    print("official per-term losses", losses, "logged mean", m[1]["train/policy_loss"])
+    assert abs(m[1]["train/policy_loss"] - sum(losses) / len(losses)) < 1e-5 * scale
+    assert m[1]["train/ratio_mean"] != 1 and m[1]["train/first_ratio_max_dev"] <= 1e-6

@@ -16,7 +16,8 @@ pytestmark = pytest.mark.slow
 # Training reward gain +- paired SE on 256 pairs, seed 0, measured here (one thread each; the same runs as
 # results/compare.py's seed 0). Each run is as short as keeps its gain clear of its SE (the threshold below, never
 # lowered); longer runs are in results/ (e.g. Flow-GRPO: +0.9 SE after 10 iterations, +1.5 after 20, +3.2 after 60):
-# flow_grpo (8 prompts, 5 iterations): +0.0077 +- 0.0034 (+2.2 SE); with --credit coca +0.0063 +- 0.0040 (+1.6 SE)
+# flow_grpo (8 prompts, 5 iterations): +0.0077 +- 0.0034 (+2.2 SE); with --credit coca +0.0063 +- 0.0040 (+1.6 SE),
+#   not run here (an option of flow_grpo.py; its learning: 10 seeds in results/compare's DenseGRPO table)
 # dancegrpo (8 prompts, 5 iterations): +0.0063 +- 0.0030 (+2.1 SE); mixgrpo (8 prompts, 12 iterations): +0.0069 +-
 #   0.0043 (+1.6 SE; 15: +2.9, 10: +0.9)
 # g2rpo (Lambda = {1, 2}, 4 prompts, 7 iterations, 8 optimizer steps per iteration at lr 1.25e-5): +0.0062 +- 0.0023
@@ -25,15 +26,19 @@ pytestmark = pytest.mark.slow
 # densegrpo (n = t, 4 prompts, 5 iterations): +0.0061 +- 0.0039 (+1.6 SE)
 # diffusion_nft (8 prompts, 4 iterations, half of the 16 timesteps per sample): +0.0088 +- 0.0051 (+1.7 SE; 6: +3.5)
 # awm (8 prompts, 6 iterations, beta 0.04, ema_beta 1, lr 1e-4): +0.0102 +- 0.0063 (+1.6 SE; 8: +3.4)
+# dgpo (8 prompts, 5 iterations, trunc_steps 9, beta 0.04, lr 1e-4): +0.0192 +- 0.0055 (+3.5 SE); flow_dppo (8
+#   prompts, 3 SDE steps of the first 8, a 1.2, lr 5e-5, 2 steps per iteration, 10 iterations): +0.0139 +- 0.0036
+#   (+3.8 SE; 5: +2.2) (docs/dgpo.md, docs/flow_dppo.md)
 CASES = {  # name: (script, iterations, flags)
     "g2rpo": ("g2rpo.py", 7, ["--lambdas", "1", "2"]),
     "densegrpo": ("densegrpo.py", 5, ["--prompts-per-iteration", "4"]),
     "flow_grpo": ("flow_grpo.py", 5, []),
-    "flow_grpo_coca": ("flow_grpo.py", 5, ["--credit", "coca"]),
     "dancegrpo": ("dancegrpo.py", 5, []),
     "mixgrpo": ("mixgrpo.py", 12, []),
     "diffusion_nft": ("diffusion_nft.py", 4, []),
     "awm": ("awm.py", 6, []),
+    "dgpo": ("dgpo.py", 5, []),
+    "flow_dppo": ("flow_dppo.py", 5, []),
 }
 
 

@@ -22,6 +22,8 @@ CASES = {  # name: (script, flags on top of tiny_flags at T = 4); DanceGRPO's li
     "mixgrpo_flash": ("mixgrpo.py", {"flash": True, "window_size": 2, "window_shift_interval": 3,
                                      "updates_per_iteration": 1}),
     "awm": ("awm.py", {"train_timesteps": 2}),  # its KL-EMA copy in state.pt (DiffusionNFT's old policy: the same path)
+    "dgpo": ("dgpo.py", {"trunc_steps": 2, "train_timesteps": 2}),  # its EMA reference in state.pt
+    "flow_dppo": ("flow_dppo.py", {"sde_steps": 1}),  # its SDE steps drawn anew each iteration
 }
 
 

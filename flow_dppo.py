@@ -1,0 +1,319 @@
+# Flow-DPPO (Ping et al., 2026, arXiv 2606.11025); docs: docs/flow_dppo.md
+"""Flow-DPPO: Flow-GRPO's SDE at a few random early steps (ODE steps elsewhere), each image's group-normalised
+reward as their advantage, the unclipped ratio of per-step likelihoods, each term masked out when its step's
+exact KL to the rollout policy passes a threshold while its ratio moves with its advantage (a trust region).
+
+The defaults are the paper's setting; --model toy trains the embedded toy model on a CPU."""
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+import tyro
+
+from common import (TOY_WORLD, RewardModels, as_reference, check_common_args, decode, encode_prompts, fail,
+                    gather_cat, gathered, iteration_generator, micro_batches, parse_args, pipeline_sigmas,
+                    score, select, training_minibatches, velocities, velocity)
+from rundir import Stats, start_run
+# algorithm specific
+import numpy as np
+
+
+@dataclass
+class Args:
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """the name of this experiment (part of the run name)"""
+    seed: int = 0
+    """seed of the experiment (prompts, noise and model initialisation)"""
+    torch_deterministic: bool = True
+    """sets `torch.backends.cudnn.deterministic`"""
+    track: bool = False
+    """also log to Weights and Biases (syncs the TensorBoard logs)"""
+    wandb_project: str = "flow-rl"
+    """the wandb project name"""
+    output_dir: str = "runs"
+    """logs and checkpoints go to <output_dir>/<run_name>"""
+    resume: str | None = None
+    """a run directory to continue from its latest checkpoint"""
+
+    # Model
+    model: str = "sd3.5-medium"
+    """a hub id, a local pipeline directory, or an alias: sd3.5-medium, flux-dev, toy (the toy world)"""
+    mixed_precision: Literal["no", "bf16"] = "bf16"
+    """compute dtype on CUDA; the trainable weights and the SDE math stay float32"""
+    resolution: int = 512
+    """image height and width in pixels"""
+    max_sequence_length: int = 256
+    """prompt length in tokens (T5's, or the family's text encoder's)"""
+    text_cache: str | None = None
+    """a directory of text embeddings, each prompt encoded once before training; no text encoder is kept"""
+    guidance: float = 1.0
+    """classifier-free guidance scale (SD3, empty negative prompt) or guidance embedding (Flux)"""
+
+    # Data and rewards
+    prompts: str = "data/pickscore/train.txt"
+    """training prompts, one per line ('toy': the toy world's grammar)"""
+    eval_prompts: str = "data/pickscore/test.txt"
+    """held-out evaluation prompts, one per line ('toy': the toy world's grammar)"""
+    rewards: tuple[str, ...] = ("pickscore",)
+    """rewards: hps, clip, pickscore, imagereward, aesthetic, unifiedreward, ocr, geneval, deqa, jpeg, toy"""
+    reward_weights: tuple[float, ...] = ()
+    """one weight per reward (none given: all 1)"""
+    eval_rewards: tuple[str, ...] = ()
+    """more rewards scored at evaluation only, never trained on (e.g. the toy world's toy_strict)"""
+    reward_combine: Literal["rewards", "advantages"] = "rewards"
+    """normalise the weighted sum of the rewards (Flow-GRPO), or each reward's advantage, then sum"""
+    reward_models: tyro.conf.OmitArgPrefixes[RewardModels] = field(default_factory=RewardModels)
+    """where each reward model's weights come from"""
+
+    # Sampling
+    num_steps: int = 10
+    """T, the number of sampling steps during training"""
+    eval_steps: int = 40
+    """ODE sampling steps for evaluation"""
+    group_size: int = 16
+    """G, images per prompt (a group never spans ranks)"""
+    prompts_per_iteration: int = 48
+    """prompts (groups) per iteration over all ranks; a multiple of the world size"""
+    micro_batch: int = 8
+    """latents per model forward; sampling and training use the same micro-batches"""
+
+    # Algorithm specific arguments
+    noise_level: float = 0.7
+    """a, the SDE noise level: std_dev_t = a sqrt(sigma / (1 - sigma)) (at the SDE steps; 0 at the others)"""
+    timestep_fraction: float = 0.5
+    """the SDE steps are drawn from the first int(T * fraction) sampling steps"""
+    sde_steps: int = 3
+    """the SDE (trained) steps of an iteration, drawn without replacement, the same for every sample"""
+    global_std: bool = True
+    """normalise by the (sample) std of all the iteration's rewards instead of each group's"""
+    adv_eps: float = 1e-8
+    """added to the std in the advantage denominator"""
+    kl_threshold: float = 1e-5
+    """tau: a term is masked when its step's KL to the rollout policy (a mean over the latent's elements) is
+    at least tau and its ratio moves with its advantage (ratio > 1 with A > 0, or < 1 with A < 0)"""
+    beta: float = 0.0
+    """KL coefficient against the reference model (0: none, as Flow-DPPO)"""
+    kl_form: Literal["official", "exact"] = "official"
+    """KL scale: |mu - mu_ref|^2 / (2 std_dev_t^2) as Flow-GRPO's code, or the exact Gaussian KL"""
+
+    # Optimisation
+    full_finetune: bool = False
+    """train every transformer weight (FSDP2 across ranks) instead of LoRA adapters"""
+    gradient_checkpointing: bool = True
+    """recompute each block's activations in the backward pass (a third more compute, less memory)"""
+    lora_rank: int = 32
+    """LoRA rank"""
+    lora_alpha: int = 64
+    """LoRA alpha"""
+    learning_rate: float = 3e-4
+    """AdamW learning rate (constant)"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient-norm clip"""
+    updates_per_iteration: int = 2
+    """optimizer steps per iteration: the training terms split into this many mini-batches"""
+    ema: bool = False
+    """keep an EMA of the trainable weights for evaluation and the exported weights"""
+    ema_decay: float = 0.9
+    """EMA decay, reached after the warm-up min((1 + s) / (10 + s), decay) of s optimizer steps"""
+    ema_every: int = 8
+    """EMA update interval in optimizer steps"""
+    num_iterations: int = 300
+    """number of iterations (rollout + update)"""
+    eval_every: int = 30
+    """evaluate every N iterations and at the end (0: never)"""
+    eval_base: bool = True
+    """evaluate the base model before the first iteration of a new run (--no-eval-base: runs that share it)"""
+    eval_num: int = 512
+    """held-out prompt/seed pairs per evaluation"""
+    save_every: int = 30
+    """checkpoint every N iterations and at the end (0: only at the end)"""
+    keep_checkpoints: int = 3
+    """keep the newest N checkpoints (0: all); a sharded FLUX.1-dev checkpoint is ~190 GB"""
+    log_images_every: int = 10
+    """log a grid of one group's images every N iterations"""
+
+
+# --model toy: a ~2M-parameter Flux on 32x32 shapes (docs/toy_world.md). Explicit flags still win.
+TOY = {**TOY_WORLD, "learning_rate": 5e-5, "prompts_per_iteration": 8, "global_std": False,  # docs: the sweep
+       "noise_level": 1.2, "timestep_fraction": 0.5, "sde_steps": 3, "updates_per_iteration": 2}
+
+
+def check_args(args, world: int):
+    check_common_args(args, world)
+    # algorithm specific
+    if int(args.num_steps * args.timestep_fraction) < 1:
+        fail(f"--timestep-fraction {args.timestep_fraction} trains no step of {args.num_steps}; raise it")
+    pool = int(args.num_steps * args.timestep_fraction)
+    if not 1 <= args.sde_steps <= pool:
+        fail(f"--sde-steps {args.sde_steps} is not allowed; use 1..{pool} (int(T * timestep fraction))")
+    if args.noise_level == 0:  # the images of a group differ by their initial noise: no log-prob to train
+        fail("--noise-level 0.0 is not allowed; use a value > 0 (a step without noise has no log-prob)")
+    per_rank = args.prompts_per_iteration // world * args.group_size
+    most = -(-per_rank // args.micro_batch)  # one mini-batch per micro-batch at most
+    if not 1 <= args.updates_per_iteration <= most:
+        fail(f"--updates-per-iteration {args.updates_per_iteration} is not allowed; use 1..{most} "
+             f"(mini-batches per iteration)")
+
+
+def planned_nfe(args) -> dict:
+    """Transformer evaluations per prompt and iteration (a CFG pair counts once): the rollout, the training
+    forwards and the reference model's; tested against the measured perf/nfe_* (zero advantages skip some)."""
+    trained = args.sde_steps
+    return {"rollout": args.group_size * args.num_steps,
+            "train": trained * args.group_size,
+            "reference": trained * args.group_size if args.beta > 0 else 0}
+
+
+def sde_step(v, x, sigmas, i: int, noise_level: float, *, prev_sample=None, generator=None):
+    """One Euler-Maruyama step sigmas[i] -> sigmas[i + 1] (dt < 0) of the marginal-preserving SDE (Eq. 9)
+    dx = [v + g^2 / (2 sigma) (x + (1 - sigma) v)] dt + g dW, g = a sqrt(sigma / (1 - sigma)) (std_dev_t):
+    x_next (drawn unless `prev_sample` gives it) and its log-probability, in float32; noise level 0 is the
+    ODE's Euler step (log-prob 0). Returns (x_next, log_prob, mean, std)."""
+    v, x = v.float(), x.float()
+    sigma, dt = float(sigmas[i]), float(sigmas[i + 1]) - float(sigmas[i])
+    below = float(sigmas[1]) if sigma == 1 else sigma  # official: sigma = 1 -> sigmas[1] in the denominator
+    g = noise_level * math.sqrt(sigma / (1 - below))
+    mean, std = x + (v + g**2 / (2 * sigma) * (x + (1 - sigma) * v)) * dt, g * math.sqrt(-dt)
+    if prev_sample is None:
+        noise = torch.randn(x.shape, generator=generator, device=generator.device if generator else x.device)
+        prev_sample = mean + std * noise.to(x.device) if std > 0 else mean
+    prev_sample = prev_sample.float()
+    if std == 0:
+        return prev_sample, torch.zeros(len(x), device=x.device), mean, std
+    # log N(x_next; mean, std^2) averaged over the D elements of a latent (the official code), not summed: the
+    # ratio is exp(log density ratio / D), hence Flow-GRPO's tiny clip range and this file's tiny KL threshold
+    log_density = (-((prev_sample.detach() - mean) ** 2) / (2 * std**2) - math.log(std)
+                   - 0.5 * math.log(2 * math.pi))
+    return prev_sample, log_density.mean(dim=tuple(range(1, x.ndim))), mean, std
+
+
+def group_advantages(rewards, *, eps: float, global_std: bool):
+    """GRPO's advantages of rewards [P, G], P groups of a prompt's G images: (r - the group's mean) / (std +
+    eps), the population std of the group or the sample std of all P G rewards (global_std, UniRL's
+    rollout_resp.py:318-325); 0 for equal rewards."""
+    r = rewards.double()
+    std = r.std() if global_std else r.std(dim=1, keepdim=True, unbiased=False)
+    adv = (r - r.mean(dim=1, keepdim=True)) / (std + eps)
+    flat = r.max(dim=1, keepdim=True).values == r.min(dim=1, keepdim=True).values
+    return torch.where(flat, torch.zeros_like(adv), adv).float()
+
+
+def combined_advantages(rewards: dict, weights: dict, *, mode: str, eps: float, global_std: bool):
+    """Several rewards {name: [P, G]}: the advantages of their weighted sum (mode "rewards", Flow-GRPO) or the
+    weighted sum of each one's advantages ("advantages")."""
+    norm = {"eps": eps, "global_std": global_std}
+    if mode == "advantages":
+        return sum(weights[k] * group_advantages(r, **norm) for k, r in rewards.items())
+    return group_advantages(sum(weights[k] * r for k, r in rewards.items()), **norm)
+
+
+if __name__ == "__main__":
+    args = parse_args(Args, toy=TOY, description=__doc__)
+    # TRY NOT TO MODIFY: the process group, the run directory and its logs, the rewards, the model and its
+    # trainable weights (LoRA, or FSDP2 across ranks), the reference, the optimizer; --resume restores them
+    run = start_run(args, script=__file__, check_args=check_args, planned_nfe=planned_nfe,
+                    reference=args.beta > 0)
+    transformer, kind, rank, world, amp = run.transformer, run.kind, run.rank, run.world, run.amp
+    P, G, T, (C, H, W) = args.prompts_per_iteration // world, args.group_size, args.num_steps, run.shape
+    # UniRL's schedule (unirl/sde/runtime.py:95-96, 272-273): a static shift on linspace(1, 0, T + 1) in
+    # float32, or the pipeline's dynamic one (linspace(1, 1/T, T) with mu, then 0)
+    config, u = run.pipe.scheduler.config, torch.linspace(1, 0, T + 1)
+    shift, dynamic = config.get("shift", 1.0), config.get("use_dynamic_shifting")
+    sigmas = (pipeline_sigmas(run.pipe, kind, num_steps=T, shape=run.shape) if dynamic
+              else shift * u / (1 + (shift - 1) * u))
+    n_train = int(T * args.timestep_fraction)
+
+    for iteration in run.iterations():
+        gen = iteration_generator(args.seed, iteration, rank)
+
+        # ALGO LOGIC: rollout (the SDE at sde_steps steps drawn from the first n_train, ODE steps elsewhere)
+        rng = np.random.default_rng(iteration)  # UniRL's AllSDEScheduler (utils/scheduler_utils.py:112-124)
+        train_steps = sorted(rng.choice(list(range(n_train)), size=args.sde_steps, replace=False).tolist())
+        noise_levels = [args.noise_level if i in train_steps else 0.0 for i in range(T)]
+        prompts = [run.train_prompts[i] for i in torch.randint(len(run.train_prompts), (P,), generator=gen)]
+        group = torch.arange(P).repeat_interleave(G)  # sample -> its prompt
+        x = torch.randn(P, G, C, H, W, generator=gen).reshape(P * G, C, H, W).to(run.device)
+        latents = [x]
+        old_log_probs = []
+        old_means = []  # each step's mean in the rollout
+        chunks = torch.arange(P * G).split(args.micro_batch)
+        emb = encode_prompts(run.pipe, kind, prompts, max_sequence_length=args.max_sequence_length,
+                             cfg=args.guidance)
+        with torch.no_grad(), amp, gathered(transformer, sharded=run.sharded):
+            for i in range(T):
+                v = velocities(transformer, kind, latents[i], sigmas[i], emb, rows=group, chunks=chunks,
+                               guidance=args.guidance)
+                steps = [sde_step(v[c], latents[i][c], sigmas, i, noise_levels[i], generator=gen)
+                         for c in chunks]  # the same micro-batches draw the noise, in order
+                latents.append(torch.cat([x_next for x_next, *_ in steps]))
+                old_log_probs.append(torch.cat([log_prob for _, log_prob, *_ in steps]))
+                old_means.append(torch.cat([mean for *_, mean, _ in steps]))
+            images = torch.cat([decode(run.pipe, latents[-1][c]) for c in chunks])
+
+        # ALGO LOGIC: rewards and advantages (one reward per image, broadcast to every trained step)
+        scores = score(run.reward_fns, images, [prompts[g] for g in group])
+        all_scores = {k: gather_cat(v.view(P, G).to(run.device)).cpu() for k, v in scores.items()}
+        advantages = combined_advantages(all_scores, run.weights, mode=args.reward_combine, eps=args.adv_eps,
+                                         global_std=args.global_std)
+        advantages = advantages[rank * P:(rank + 1) * P].reshape(-1).to(run.device)  # not clipped (UniRL)
+        advantages = advantages.expand(T, -1)  # [T, N]: an advantage per step and sample
+
+        # ALGO LOGIC: policy update (the masked ratio of per-step log-probs, the KL to the reference)
+        stats = Stats("ratio_mean", "masked_fraction", "kl_old", "approx_kl", "policy_loss", "kl",
+                      maxima=("first_ratio_max_dev",))  # means over the terms; the maximum over the ranks
+        # all ranks' samples but those of A = 0 at every step (train_sd3.py), shuffled alike on all ranks
+        trained_advantages = gather_cat(advantages[train_steps].T.contiguous()).T
+        same_on_ranks = iteration_generator(args.seed, iteration, 0, stream=1)
+        micro_batches_per_rank = -(-trained_advantages.shape[1] // args.micro_batch)
+        minibatches = training_minibatches(trained_advantages, updates=args.updates_per_iteration,
+                                           micro_batches=micro_batches_per_rank, generator=same_on_ranks)
+        for u, minibatch in enumerate(minibatches):
+            terms = micro_batches(minibatch, steps=train_steps, part=run.part,
+                                  signal=lambda j, c: args.beta > 0 or (advantages[j][c] != 0).any())
+            for j, c, scale in terms:
+                adv = advantages[j][c]
+                emb_c = select(emb, group[c])
+                with amp:
+                    v = velocity(transformer, kind, latents[j][c], sigmas[j], emb_c, guidance=args.guidance)
+                _, log_prob, mean, std = sde_step(v, latents[j][c], sigmas, j, noise_levels[j],
+                                                  prev_sample=latents[j + 1][c])
+                ratio = torch.exp(log_prob - old_log_probs[j][c])
+                # its KL to the rollout policy (Eq. 14), mean |mu - mu_old|^2 / (2 s^2) (flowdppo.py:86-96),
+                # s = a sqrt(sigma / (1 - min(sigma, 0.99)) |dt|): sde_step's std but at sigma = 1 (:359-368)
+                sigma, step = float(sigmas[j]), float(sigmas[j] - sigmas[j + 1])
+                s = args.noise_level * math.sqrt(sigma / (1 - min(sigma, 0.99)) * step)
+                kl_old = ((mean - old_means[j][c]) ** 2).mean(dim=(1, 2, 3)) / (2 * s**2)
+                # the trust region (Eq. 18, flowdppo.py:98-111): drop a term past tau that moves with A
+                drop = (kl_old >= args.kl_threshold) & (((ratio > 1) & (adv > 0)) | ((ratio < 1) & (adv < 0)))
+                policy_loss = torch.where(drop.detach(), torch.zeros_like(ratio), -adv * ratio).mean()
+                kl = torch.zeros_like(policy_loss)
+                if args.beta > 0:  # the KL of the step means (Flow-GRPO's code)
+                    with torch.no_grad(), amp, as_reference(transformer, run.ref_model) as reference:
+                        v_ref = velocity(reference, kind, latents[j][c], sigmas[j], emb_c,
+                                         guidance=args.guidance)
+                    _, _, mean_ref, _ = sde_step(v_ref, latents[j][c], sigmas, j, noise_levels[j],
+                                                 prev_sample=latents[j + 1][c])
+                    # official: / (2 std_dev_t^2) with std_dev_t^2 = std^2 / |dt|; exact: / (2 std^2)
+                    step = float(sigmas[j] - sigmas[j + 1])  # |dt|
+                    kl_var = std**2 if args.kl_form == "exact" else std**2 / step
+                    kl = ((mean - mean_ref) ** 2).mean(dim=(1, 2, 3)).mean() / (2 * kl_var)
+                loss = policy_loss + args.beta * kl
+                (loss * scale).backward()  # scale: this term's share of the mini-batch's mean
+                log_ratio = log_prob - old_log_probs[j][c]
+                stats.add(scale, terms=len(c), ratio_mean=ratio.sum(), policy_loss=policy_loss * len(c),
+                          masked_fraction=drop.sum(), kl_old=kl_old.sum(), kl=kl * len(c),
+                          approx_kl=(0.5 * log_ratio**2).sum())
+                if u == 0:  # max |ratio - 1| in the first mini-batch: 0 if sampling and training agree
+                    stats.max(scale, first_ratio_max_dev=(ratio.detach() - 1).abs().max())
+            stats.step(run.optimizer_step(terms))
+            run.ema_step(iteration * args.updates_per_iteration + u + 1)
+
+        # TRY NOT TO MODIFY: logging, evaluation, sample grids, checkpoints
+        kept = sum(map(len, minibatches)) / (P * G * world)  # the share of the samples trained on
+        run.end_iteration(iteration, stats, scores=all_scores, metrics={"train/kept_fraction": kept},
+                          samples=(images[:G], prompts[0], scores))
+    run.finish()
