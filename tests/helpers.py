@@ -106,6 +106,20 @@ def read_metrics(out_dir):
     return os.path.join(out_dir, run), merged
 
 
+def crashed_copy(out_dir, dst, *, after: int) -> str:
+    """A copy of the run in `out_dir` as if it had crashed after its checkpoint at iteration `after`: the later
+    checkpoints removed (what it logged later stays, for --resume to drop). Returns the copy's run directory."""
+    import shutil
+
+    (name,) = os.listdir(out_dir)
+    shutil.copytree(os.path.join(out_dir, name), os.path.join(dst, name))
+    root = os.path.join(dst, name, "checkpoints")
+    for d in os.listdir(root):
+        if int(d.split("_")[1].split(".")[0]) > after:
+            shutil.rmtree(os.path.join(root, d))
+    return os.path.join(dst, name)
+
+
 def check_args(module, world=1, **over):
     """module.check_args on the module's default Args with some fields overridden."""
     args = module.Args()

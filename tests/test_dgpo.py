@@ -8,7 +8,7 @@ import torch
 
 import common
 import dgpo
-from helpers import check_args, read_metrics, run_in_process, run_script, tiny_flags
+from helpers import check_args, crashed_copy, read_metrics, run_in_process, run_script, tiny_flags
 from test_math import M, S, exact_velocity
 
 TINY = dict(trunc_steps=2, train_timesteps=2)  # 4 sampling steps in the tiny runs
@@ -249,10 +249,10 @@ def test_sharded_runs_resume_exactly_with_the_ema_reference(tiny, tmp_path):
     flags = dict(full_finetune=True, no_ema=True, prompts_per_iteration=4, eval_every=0, learning_rate=1e-3,
                  switch_ema_ref=0, **TINY)
     run_script("dgpo.py", tiny_flags(tiny["flux"], tiny["prompts"], tmp_path / "full", num_iterations=3, **flags), nproc=2)
-    run_script("dgpo.py", tiny_flags(tiny["flux"], tiny["prompts"], tmp_path / "part", num_iterations=2, **flags), nproc=2)
-    part, _ = read_metrics(tmp_path / "part")
+    part = crashed_copy(tmp_path / "full", tmp_path / "part", after=2)
     run_script("dgpo.py", tiny_flags(tiny["flux"], tiny["prompts"], tmp_path / "part", num_iterations=3, resume=part,
                                      **flags), nproc=2)
+    assert os.path.isdir(os.path.join(part, "checkpoints", "iter_3"))  # iteration 3 trained again
     _, a = read_metrics(tmp_path / "full")
     _, b = read_metrics(tmp_path / "part")
     assert a[3]["train/ratio_mean"] != 1 and a[3]["train/kl"] > 0

@@ -9,7 +9,7 @@ import torch
 
 from common import make_trainable, select, shifted_sigmas, velocity
 from flow_grpo import sde_step
-from helpers import ROOT, read_metrics, run_script, tiny_flags
+from helpers import ROOT, crashed_copy, read_metrics, run_script, tiny_flags
 from tiny import build_flux, build_sd3
 
 
@@ -103,11 +103,11 @@ def test_sharded_resume_and_export(tiny, tmp_path):
     flags = dict(full_finetune=True, no_ema=True, prompts_per_iteration=4, eval_every=0, beta=0.04, learning_rate=1e-3,
                  gradient_checkpointing=True)
     run_script("flow_grpo.py", tiny_flags(tiny["flux"], tiny["prompts"], tmp_path / "full", num_iterations=3, **flags), nproc=2)
-    run_script("flow_grpo.py", tiny_flags(tiny["flux"], tiny["prompts"], tmp_path / "part", num_iterations=2, **flags), nproc=2)
-    part, _ = read_metrics(tmp_path / "part")
+    part = crashed_copy(tmp_path / "full", tmp_path / "part", after=2)
     assert os.path.isdir(os.path.join(part, "checkpoints", "iter_2", "dcp"))
     run_script("flow_grpo.py", tiny_flags(tiny["flux"], tiny["prompts"], tmp_path / "part", num_iterations=3, resume=part,
                                           **flags), nproc=2)
+    assert os.path.isdir(os.path.join(part, "checkpoints", "iter_3"))  # iteration 3 trained again
     full, a = read_metrics(tmp_path / "full")
     _, b = read_metrics(tmp_path / "part")
     keys = [k for k in a[3] if not k.startswith("perf/") or "nfe" in k]
