@@ -706,9 +706,10 @@ def rollout_steps(mod, script: str, args) -> dict:
     return {"latents": T + 1 + means, "log_probs": T, "velocities": velocities}
 
 
-def estimate(name, script, argv, world, *, tiny=False, undo=(), phases=None):
+def estimate(name, script, argv, world, *, tiny=False, undo=(), phases=None, count_flops=True):
     """One command's per-rank phases: {"peak": {phase: bytes}, "flops": {phase: FLOPs}, "bytes": resident
-    parts, ...}. `undo`: changes of UNDO to revert (measured ones); `phases`: run only these."""
+    parts, ...}. `undo`: changes of UNDO to revert (measured ones); `phases`: run only these; `count_flops`:
+    False leaves the FLOPs (and the seconds) out, a quarter of a tiny estimate's time."""
     import tyro
 
     import common
@@ -837,17 +838,17 @@ def estimate(name, script, argv, world, *, tiny=False, undo=(), phases=None):
         def phase(label, fn, *live):
             if phases is not None and label not in phases:
                 return
-            peak, flops = measure(fn, [*resident, *live], flops=not undo)
+            peak, flops = measure(fn, [*resident, *live], flops=count_flops and not undo)
             out.setdefault("peak", {})[label] = peak
-            if flops is not None:
-                out.setdefault("flops", {})[label] = flops
+            if flops is not None or not count_flops:  # (without counting: 0)
+                out.setdefault("flops", {})[label] = flops or 0
 
         # -------- start-up with --text-cache: every prompt encoded once, 16 at a time, the text encoders alone
         # on the GPU with the reward models (loaded first; the transformer and the VAE still on the CPU)
         if cache and phases is None:
             fill_ids = torch.zeros(16 * (2 if cfg else 1), text_tokens, dtype=torch.long)
             out["fill"], out["fill_flops"] = measure(functools.partial(text_forward, texts, fill_ids),
-                                                     [*loaded.values(), *texts], flops=not undo)
+                                                     [*loaded.values(), *texts], flops=count_flops and not undo)
         # -------- encoding: the text encoders visit the GPU for the iteration's prompts (and CFG's negatives);
         # with --text-cache the embeddings come from disk (rundir.read_text_cache): no text encoder at all
         ids = torch.zeros(min(16, P) * (2 if cfg else 1), text_tokens, dtype=torch.long)  # a chunk
@@ -1330,7 +1331,7 @@ def main():
     for i, (name, script, argv, world) in enumerate(COMMANDS):
         if a.only is not None and i not in a.only:
             continue
-        e = estimate(name, script, argv, world, tiny=a.tiny)
+        e = estimate(name, script, argv, world, tiny=a.tiny, count_flops=not a.tiny)  # tiny: its code paths
         if not a.no_undo:
             e["undone"] = undone(name, script, argv, world, tiny=a.tiny, e=e)
         estimates.append(e)

@@ -23,7 +23,8 @@ pytestmark = pytest.mark.slow
 # g2rpo (Lambda = {1, 2}, 4 prompts, 7 iterations, 8 optimizer steps per iteration at lr 1.25e-5): +0.0062 +- 0.0023
 #   (+2.7 SE; 8 iterations: +3.1, 10: +4.2, 6: +0.9); at lr 1e-4 with 8 steps per iteration it fell (-0.024 +- 0.009), hence
 #   the TOY preset's lr 1.25e-5
-# densegrpo (n = t, 4 prompts, 5 iterations): +0.0061 +- 0.0039 (+1.6 SE)
+# densegrpo (4 prompts, 5 iterations, the calibrated psi(t), completions of n = 2 steps: a third of n = t's NFE):
+#   +0.0055 +- 0.0035 (+1.6 SE; n = t and a uniform psi: +0.0061 +- 0.0039, +1.6 SE)
 # diffusion_nft (8 prompts, 4 iterations, half of the 16 timesteps per sample): +0.0088 +- 0.0051 (+1.7 SE; 6: +3.5)
 # awm (8 prompts, 6 iterations, beta 0.04, ema_beta 1, lr 1e-4): +0.0102 +- 0.0063 (+1.6 SE; 8: +3.4)
 # dgpo (8 prompts, 5 iterations, trunc_steps 9, beta 0.04, lr 1e-4): +0.0192 +- 0.0055 (+3.5 SE); flow_dppo (8
@@ -31,7 +32,8 @@ pytestmark = pytest.mark.slow
 #   (+3.8 SE; 5: +2.2) (docs/dgpo.md, docs/flow_dppo.md)
 CASES = {  # name: (script, iterations, flags)
     "g2rpo": ("g2rpo.py", 7, ["--lambdas", "1", "2"]),
-    "densegrpo": ("densegrpo.py", 5, ["--prompts-per-iteration", "4"]),
+    "densegrpo": ("densegrpo.py", 5, ["--prompts-per-iteration", "4", "--psi", "results/toy_psi.json",
+                                      "--dense-ode-steps", "2"]),
     "flow_grpo": ("flow_grpo.py", 5, []),
     "dancegrpo": ("dancegrpo.py", 5, []),
     "mixgrpo": ("mixgrpo.py", 12, []),
