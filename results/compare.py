@@ -522,7 +522,8 @@ def reach_cell(value, se, boots, *, digits=0):
 def speedup_rows(cv, claims, eq_nfe):
     """a's speed-up on b: (b's NFE or CPU time to reach b's gain at equal NFE) / (a's), from the same resamples;
     supported when the 2-SE interval lies above 1, not supported when below 1 (or a never reaches it within a run
-    that outlasts b's), else unresolved; unresolved with fewer than MIN_SEEDS seeds on either side."""
+    that outlasts b's), else unresolved; unresolved with fewer than MIN_SEEDS seeds on either side (a verdict
+    that a never reaches b's gain too)."""
     lines = ["| claim (a vs b) | seeds (a, b) | NFE speed-up | verdict | CPU-time speed-up | verdict |",
              "|---|---|---|---|---|---|"]
     for text, a, b, _ in claims:
@@ -535,14 +536,15 @@ def speedup_rows(cv, claims, eq_nfe):
             vb, _, bb = to_reach(cv[b], key, target, config=b)
             ratios = [y / x for x, y in zip(ba, bb) if x and y]
             se = stats(ratios)[1] if len(ratios) > 1 else float("nan")
+            enough = min(len(cv[a]), len(cv[b])) >= MIN_SEEDS
             if va is None or not vb:
                 outlasts = min(x[-1][key] for x in cv[a]) >= (vb or 0)
                 cells += ["a never reaches it" if va is None else "b's gain is reached at 0",
-                          "**not supported**" if va is None and outlasts else "**unresolved**"]
+                          "**not supported**" if va is None and outlasts and enough else "**unresolved**"]
                 continue
             r = vb / max(va, 1e-9)
             verdict = "supported" if r - 2 * se > 1 else "not supported" if r + 2 * se < 1 else "unresolved"
-            if min(len(cv[a]), len(cv[b])) < MIN_SEEDS:
+            if not enough:
                 cells += [f"{r:.2f}x (fewer than {MIN_SEEDS} seeds: no verdict)", "**unresolved**"]
                 continue
             cells += [f"{r:.2f}x +- {se:.2f}", f"**{verdict}**"]

@@ -73,6 +73,9 @@ def test_the_nfe_to_reach_a_reward_and_the_speed_up():
     cv = {"a": [run(0.03, 50.0)] * 2, "b": [run(0.03, 100.0)] * 5}  # too few seeds of a for a bootstrap verdict
     (row,) = compare.speedup_rows(cv, [("a beats b", "a", "b", "better")], 2000.0)[2:]
     assert "2.00x (fewer than 3 seeds: no verdict) | **unresolved**" in row
+    cv["a"] = [run(0.01, 150.0)] * 2  # never reaching b's gain on 2 seeds: no verdict either
+    (row,) = compare.speedup_rows(cv, [("a beats b", "a", "b", "better")], 2000.0)[2:]
+    assert "a never reaches it | **unresolved**" in row
 
 
 def test_cpu_time_counts_in_flow_grpo_iterations_of_the_machine_that_spent_it():
