@@ -260,7 +260,8 @@ if __name__ == "__main__":
                     with torch.no_grad(), amp, as_reference(transformer, run.ref_model) as reference:
                         v_ref = velocity(reference, kind, x_t, t, emb_c,
                                          guidance=args.guidance)
-                error = lambda w: ((eps - x0[c] - w.double()) ** 2).mean(dim=(1, 2, 3))  # noqa: E731 (train:1132)
+                # each image's flow-matching error (train:1132)
+                error = lambda w: ((eps - x0[c] - w.double()) ** 2).mean(dim=(1, 2, 3))  # noqa: E731
                 mse, mse_ema = error(v), error(v_ema)
                 mse_ref = mse_ema if args.ema_reference else error(v_ref)  # use_ema_ref (train:1122-1124)
                 # the clip (clip_dsm, train:1133-1144): detached once past 1 +- eps in the direction of A
