@@ -725,8 +725,8 @@ def estimate(name, script, argv, world, *, tiny=False, undo=(), phases=None, cou
         mod.check_args(args, world)
     kind, arch = model_architecture(args.model)
     beta, nfe, cache = args.beta, mod.planned_nfe(args), bool(args.text_cache)
-    if script == "dgpo" and not args.ema_reference:  # the DPO margin's base model: a reference at any beta
-        beta = max(beta, 1e-30)
+    # a reference model for the KL, and for DGPO's DPO margin at any beta (unless --ema-reference)
+    reference = beta > 0 or (script == "dgpo" and not args.ema_reference)
     P, G, T = args.prompts_per_iteration // world, args.group_size, args.num_steps
     mb, bf16, sharded = min(args.micro_batch, P * G), torch.bfloat16, args.full_finetune and world > 1
     checkpointing = args.gradient_checkpointing and "activation checkpointing" not in undo
@@ -750,7 +750,7 @@ def estimate(name, script, argv, world, *, tiny=False, undo=(), phases=None, cou
             transformer = make_t().requires_grad_(False)
             torch.set_default_dtype(torch.float32)
             params, ref = common.make_trainable(
-                transformer, kind, lora=None, reference=beta > 0, sharded=True,
+                transformer, kind, lora=None, reference=reference, sharded=True,
                 compute_dtype=None if fp32_gathers else bf16, checkpointing=checkpointing)
         params = list(params.values())
     else:  # LoRA (or one GPU): bf16 frozen weights, float32 trainable ones, from common.make_trainable itself
@@ -759,7 +759,7 @@ def estimate(name, script, argv, world, *, tiny=False, undo=(), phases=None, cou
         def prepare(t):
             box["ref"] = common.make_trainable(
                 t.requires_grad_(False), kind,
-                lora=None if args.full_finetune else (args.lora_rank, args.lora_alpha), reference=beta > 0,
+                lora=None if args.full_finetune else (args.lora_rank, args.lora_alpha), reference=reference,
                 sharded=False, compute_dtype=bf16, checkpointing=checkpointing)[1]
             return t
         transformer = build(make_t, bf16, prepare)
