@@ -4,6 +4,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -179,12 +180,16 @@ def test_tiny_comparison_end_to_end_and_resumable(tmp_path):
     assert {f: (out / f).read_bytes() for f in made} == made  # byte for byte from raw/
     again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0 and "0 runs to do" in again.stdout, again.stdout[-2000:] + again.stderr[-2000:]
-    # the equal-compute comparison beside it: DiffusionNFT against Flow-GRPO, in the headline first
+    # the equal-compute comparison beside it: DiffusionNFT against Flow-GRPO, in the headline first; its Flow-GRPO
+    # runs are the ones above (the same settings: a config's raw/ file is all that a comparison needs of a run)
+    (out / "equal" / "raw").mkdir(parents=True)
+    for s in (0, 1):
+        shutil.copy(out / "raw" / f"flow_grpo__seed{s}.json", out / "equal" / "raw")
     equal = [sys.executable, os.path.join(ROOT, "results", "compare.py"), "--equal", "--configs", "flow_grpo",
              "diffusion_nft", "--seeds", "0", "1", "--iterations", "2", "--eval-every", "1", "--eval-num", "4",
              "--extra", " ".join(tiny), "--runs-dir", str(tmp_path / "runs_equal"), "--out", str(out / "equal")]
     done = subprocess.run(equal, cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert done.returncode == 0 and "2 runs to do" in done.stdout, done.stdout[-2000:] + done.stderr[-2000:]
     headline = open(out / "headline.md").read()
     assert headline.startswith("## All methods at equal compute") and "## The papers' tables on the toy" in headline
     for row in ("| Flow-GRPO | flow_grpo | 2 | 2 |", "| DiffusionNFT | diffusion_nft | 2 | 2 |",

@@ -92,22 +92,6 @@ def test_old_policy_is_the_ema_of_return_decay(tiny, tmp_path):
         assert not torch.equal(s2["extra"]["old"][name], p2) or torch.equal(s1["trainable"][name], p2)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("full", [False, True], ids=["lora-ddp", "full-fsdp2"])
-def test_torchrun_two_processes_and_resume(tiny, tmp_path, full):
-    """Two processes train (LoRA averaging its gradients, or FSDP2), and a sharded run resumes its old policy from the
-    distributed checkpoint."""
-    extra = {"full_finetune": True, "no_ema": True} if full else {}
-    flags = dict(prompts_per_iteration=4, eval_every=0, **extra)
-    run_script("diffusion_nft.py", tiny_flags(tiny["flux"], tiny["prompts"], tmp_path, **flags), nproc=2)
-    run, m = read_metrics(tmp_path)
-    assert m[2]["train/updates"] == 1 and m[2]["perf/nfe_per_iteration"] == 4 * 4 * (4 + 3 * 3)
-    run_script("diffusion_nft.py", tiny_flags(tiny["flux"], tiny["prompts"], tmp_path, resume=run, num_iterations=3,
-                                              **flags), nproc=2)
-    _, m = read_metrics(tmp_path)
-    assert m[3]["train/old_decay"] == pytest.approx(0.003) and m[3]["train/updates"] == 1
-
-
 def exported(run, iteration):
     """Every tensor of a checkpoint's export (LoRA, or the transformer: one file per rank when sharded), by name."""
     from safetensors.torch import load_file
@@ -120,24 +104,30 @@ def exported(run, iteration):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("full", [False, True], ids=["lora-ddp", "full-fsdp2"])
-def test_one_and_two_processes_take_the_same_steps(tiny, tmp_path, full):
+def test_one_and_two_processes_take_the_same_steps_and_resume(tiny, tmp_path, full):
     """Every rank draws every rank's prompts, noise, mini-batches and timesteps (and each sample its training noise),
     so 1 process and 2 (LoRA averaging gradients, or FSDP2 sharding) train the same samples and end two iterations
-    with the same weights, up to the order of the float sums."""
+    with the same weights, up to the order of the float sums; then the two processes resume their old policy from
+    the (distributed) checkpoint."""
     extra = {"full_finetune": True, "no_ema": True} if full else {}
-    flags = dict(prompts_per_iteration=2, eval_every=0, save_every=0, num_iterations=2, **extra)
+    flags = dict(prompts_per_iteration=2, eval_every=0, num_iterations=2, **extra)
     runs = []
     for nproc in (1, 2):
         run_script("diffusion_nft.py", tiny_flags(tiny["flux"], tiny["prompts"], tmp_path / f"n{nproc}", **flags),
                    nproc=nproc)
         runs.append(read_metrics(tmp_path / f"n{nproc}"))
     (one, m1), (two, m2) = runs
+    assert m2[2]["train/updates"] == 1 and m2[2]["perf/nfe_per_iteration"] == 2 * 4 * (4 + 3 * 3)
     for key in ("reward/jpeg_mean", "train/policy_loss", "train/kl", "train/grad_norm"):
         assert m1[2][key] == pytest.approx(m2[2][key], rel=1e-4, abs=1e-8), key
     a, b = exported(one, 2), exported(two, 2)
     assert a.keys() == b.keys() and len(a) > 10 and m1[2]["train/updates"] == m2[2]["train/updates"] == 1
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-6)
+    resume = tiny_flags(tiny["flux"], tiny["prompts"], tmp_path / "n2", **{**flags, "num_iterations": 3}, resume=two)
+    run_script("diffusion_nft.py", resume, nproc=2)
+    _, m = read_metrics(tmp_path / "n2")
+    assert m[3]["train/old_decay"] == pytest.approx(0.003) and m[3]["train/updates"] == 1
 
 
 @pytest.mark.parametrize("over,message", [
