@@ -537,7 +537,8 @@ def loggable(args) -> dict:
 
 LEARNED = ["hps", "clip", "pickscore", "imagereward", "aesthetic", "unifiedreward", "ocr", "geneval",
            "deqa"]  # rewards.py's models and clients
-TOY_REWARDS = ["toy_color_position", "toy_shape_count", "toy_strict"]  # toy/world.py's exact rewards
+TOY_REWARDS = ["toy_color_position", "toy_shape_count", "toy_strict",  # toy/world.py's exact rewards
+               "toy_proxy"]  # and the learned proxy of the first two (toy/proxy.py)
 
 
 def import_sibling(name: str):

@@ -30,6 +30,7 @@ reward server; docs/rewards.md, GenEval, OCR and DeQA-Score, has the task metric
 
 The toy world (base model against a toy run's newest checkpoint, 64 prompts x 4 seeds):
     python evaluate.py --model toy --checkpoints runs/<toy run>"""
+import functools
 import gc
 import json
 import math
@@ -40,11 +41,11 @@ from typing import Literal
 import torch
 import tyro
 
-from common import (ARG_RANGES, MODEL_ALIASES, RewardModels, broadcast_object, check_guidance,
+from common import (ARG_RANGES, MODEL_ALIASES, RewardModels, as_reference, broadcast_object, check_guidance,
                     check_output_path, check_ranges, check_rewards, close_distributed, decode,
                     drop_text_encoders, encode_prompts, fail, gather_cat, latent_shape, load_pipeline,
                     load_prompt_set, load_rewards, loggable, ode_complete, parse_args, pipeline_sigmas, place,
-                    score, setup_distributed)
+                    score, select, setup_distributed, velocity)
 from rundir import decimals, latest_checkpoint, paired_change, write_atomically
 
 
@@ -85,6 +86,9 @@ class Args:
     """T5 prompt length in tokens (the SD3 papers: 128)"""
     micro_batch: int = 4
     """latents per model forward and per reward call"""
+    kl_to_base: bool = False
+    """also each checkpoint's KL to the base model on its own ODE paths (kl_to_base, in nats; see
+    docs/evaluation.md): a base forward more per step; a transformer checkpoint holds both on the device"""
     mixed_precision: Literal["no", "bf16"] = "bf16"
     """the transformer's and a LoRA's dtype on CUDA, as diffusers loads them; the rewards run in float32"""
     out: str = "runs/evaluation"
@@ -277,17 +281,43 @@ def check_args(args) -> tuple[list[dict], list[tuple[str, int]]]:
 
 
 @torch.no_grad()
+def ode_and_kl(transformer, base, *, kind: str, x, sigmas, emb: dict, guidance: float, micro_batch: int):
+    """ode_complete's Euler ODE along the whole schedule (the same steps, the same micro-batches), and each
+    path's KL to the base model (`base()`: a context giving it): 1/2 sum_k |sigma_k+1 - sigma_k| ||v(x_k) -
+    v_base(x_k)||^2, summed over the latent, at the path's own points x_k. Girsanov: the KL between the path
+    measures of dx = v dsigma + dW under the two models; 0 for the base itself, ||c||^2 / 2 for a velocity
+    that differs by a constant c (the schedule runs from sigma 1 to 0)."""
+    x, kl = x.float().clone(), torch.zeros(len(x), dtype=torch.float64, device=x.device)  # (x is not changed)
+    for k in range(len(sigmas) - 1):
+        ds = (sigmas[k + 1] - sigmas[k]).to(x.device)
+        for c in torch.arange(len(x)).split(micro_batch):
+            e, s = select(emb, c.to(x.device)), sigmas[k:k + 1].expand(len(c))
+            v = velocity(transformer, kind, x[c], s, e, guidance=guidance).float()
+            with base() as reference:
+                v_base = velocity(reference, kind, x[c], s, e, guidance=guidance)
+            kl[c] += 0.5 * ds.abs().double() * (v - v_base.float()).double().square().flatten(1).sum(1)
+            x[c] = x[c] + v * ds
+    return x, kl
+
+
+@torch.no_grad()
 def score_pairs(transformer, *, pipe, kind: str, emb: dict, noise, prompts: list[str], rewards: dict, sigmas,
-                guidance: float, micro_batch: int, num_pairs: int, device) -> dict:
+                guidance: float, micro_batch: int, num_pairs: int, device, base=None) -> dict:
     """This rank's pairs (embeddings `emb`, `noise`, `prompts`) sampled by the ODE along the whole schedule,
     decoded and scored micro-batch by micro-batch: {metric: every pair's score in pair order}, on every
-    rank."""
+    rank; with `base` (ode_and_kl's) also kl_to_base."""
     paths = [list(range(len(sigmas)))] * len(noise)
-    x0 = ode_complete(transformer, kind, noise.to(device), paths, sigmas, emb, guidance=guidance,
-                      micro_batch=micro_batch)
+    if base is None:
+        x0 = ode_complete(transformer, kind, noise.to(device), paths, sigmas, emb, guidance=guidance,
+                          micro_batch=micro_batch)
+    else:
+        x0, kl = ode_and_kl(transformer, base, kind=kind, x=noise.to(device), sigmas=sigmas, emb=emb,
+                            guidance=guidance, micro_batch=micro_batch)
     parts = [score(rewards, decode(pipe, x0[c]), [prompts[i] for i in c.tolist()], evaluation=True)
              for c in torch.arange(len(x0)).split(micro_batch)]
     local = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+    if base is not None:
+        local["kl_to_base"] = kl.float()
     return {k: gather_cat(v.to(device)).cpu()[:num_pairs] for k, v in local.items()}
 
 
@@ -353,17 +383,22 @@ if __name__ == "__main__":
 
     all_scores = []
     for entry in entries:
-        transformer = base
+        transformer, reference = base, None
         if entry["weights"] == "lora":
             pipe.load_lora_weights(entry["path"])
+            reference = functools.partial(as_reference, base)  # the adapters off
         elif entry["weights"] == "transformer":
-            base.to("cpu")  # one transformer on the device at a time
+            if not args.kl_to_base:
+                base.to("cpu")  # one transformer on the device at a time
             transformer = type(base).from_pretrained(entry["path"], dtype=compute_dtype)
             transformer = transformer.requires_grad_(False).eval().to(device)
+            reference = functools.partial(as_reference, transformer, base)
         all_scores.append(score_pairs(
             transformer, pipe=pipe, kind=kind, emb=emb, noise=noise, prompts=prompts, rewards=rewards,
             sigmas=sigmas, guidance=args.guidance, micro_batch=args.micro_batch, num_pairs=len(pairs),
-            device=device))
+            device=device, base=reference if args.kl_to_base else None))
+        if args.kl_to_base and entry["weights"] == "base":
+            all_scores[-1]["kl_to_base"] = torch.zeros(len(pairs))  # the base model to itself
         for fn in rewards.values():
             if hasattr(fn, "breakdown"):  # GenEval's accuracies per tag
                 all_scores[-1].update(fn.breakdown(all_scores[-1], [p for p, _ in pairs]))
@@ -374,7 +409,7 @@ if __name__ == "__main__":
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-            base.to(device)
+            base.to(device)  # (where --kl-to-base kept it there: nothing to do)
         if rank == 0:
             means = ", ".join(f"{k} {v.mean():.4f}" for k, v in all_scores[-1].items())
             print(f"{entry['name']}: {means}", flush=True)

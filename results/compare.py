@@ -208,10 +208,11 @@ def collect(a, config, seed, iterations, out_dir):
     os.makedirs(os.path.dirname(raw_path(a, config, seed)), exist_ok=True)
     tmp = raw_path(a, config, seed) + ".tmp"
     machines = json.load(open(out_dir + ".json")).get("machines", [])
+    more = a.measure(run) if getattr(a, "measure", None) else {}  # e.g. results/hacking.py's KL, from checkpoints
     with open(tmp, "w") as f:
         json.dump({"config": config, "seed": seed, "script": CONFIGS[config][0], "settings": settings(a, config, iterations),
                    "machines": machines, "metrics": [rows[i] for i in sorted(rows) if i <= iterations],
-                   "evals": {str(i): evals[i] for i in sorted(evals) if i <= iterations}}, f)
+                   "evals": {str(i): evals[i] for i in sorted(evals) if i <= iterations}, **more}, f)
     os.replace(tmp, raw_path(a, config, seed))
     shutil.rmtree(os.path.join(run, "checkpoints"), ignore_errors=True)
 

@@ -75,6 +75,34 @@ def test_base_lora_and_full_checkpoints(trained):
     assert lora["scores"] != base["scores"] and full["scores"] != base["scores"]
 
 
+def test_kl_to_base_is_the_path_kl_of_each_checkpoint(trained, tmp_path):
+    """--kl-to-base: the base model is 0 from itself; a transformer whose velocity differs from the base's by a
+    constant c (proj_out's bias shifted by b: the same shift at every input) is ||c||^2 / 2 from it on every path,
+    ||c||^2 = 64 patches x ||b||^2 (each 2x2 patch of the 4 x 16 x 16 latent is 16 packed channels); the trained
+    checkpoints are further than 0; every other score is the evaluation's without it (the same ODE steps)."""
+    from diffusers import FluxTransformer2DModel
+
+    from common import load_pipeline, pipeline_sigmas
+
+    shifted = FluxTransformer2DModel.from_pretrained(os.path.join(trained["flux"], "transformer"))
+    b = 0.1 * torch.randn(shifted.proj_out.bias.shape, generator=torch.Generator().manual_seed(0))
+    shifted.proj_out.bias.data += b
+    shifted.save_pretrained(tmp_path / "shifted")
+    out = tmp_path / "eval"
+    run_script("evaluate.py", ["--model", trained["flux"], "--prompts", trained["prompts"], "--checkpoints",
+                               trained["lora"], trained["full_dir"], str(tmp_path / "shifted"), "--kl-to-base",
+                               "--out", str(out), *TINY_EVAL])
+    base, lora, full, shift = json.load(open(out / "scores.json"))["entries"]
+    before = json.load(open(trained["out"] / "scores.json"))["entries"]
+    for now, then in zip((base, lora, full), before):
+        assert {k: v for k, v in now["scores"].items() if k != "kl_to_base"} == then["scores"], now["name"]
+    assert base["scores"]["kl_to_base"] == [0.0] * 3
+    assert min(lora["scores"]["kl_to_base"]) > 0 and min(full["scores"]["kl_to_base"]) > 0
+    sigmas = pipeline_sigmas(*load_pipeline(trained["flux"], "cpu"), num_steps=4, shape=(4, 16, 16))
+    expected = 0.5 * float(sigmas[0] - sigmas[-1]) * 64 * b.double().square().sum().item()
+    assert shift["scores"]["kl_to_base"] == pytest.approx([expected] * 3, rel=1e-4)
+
+
 def test_base_scores_equal_diffusers_own_pipeline(trained):
     """An independent computation: FluxPipeline.__call__ (its own schedule, Euler steps and decoding) from the same
     noise, scored by the same JPEG compressibility."""
@@ -213,7 +241,7 @@ def test_bad_inputs_give_one_line_errors(tmp_path):
          f"evaluate it with the model it was trained from"),
         (dict(metrics=("jpeg", "fid")), "unknown reward 'fid'; choose from ['hps', 'clip', 'pickscore', 'imagereward', "
          "'aesthetic', 'unifiedreward', 'ocr', 'geneval', 'deqa', 'jpeg', 'toy_color_position', 'toy_shape_count', "
-         "'toy_strict']"),
+         "'toy_strict', 'toy_proxy']"),
         (dict(metrics=evaluate.Args().metrics),
          "the unifiedreward reward needs --unifiedreward-url, the address of a server that serves it"),
         (dict(metrics=("jpeg", "jpeg")), "--metrics jpeg jpeg names a metric twice; name each once"),
