@@ -131,6 +131,7 @@ def figure(cv, path):
             ax.set_xlabel(xlabel, fontsize=8)
             ax.set_ylabel("gold change", fontsize=8)
             ax.tick_params(labelsize=7)
+            ax.xaxis.set_major_locator(plt.MaxNLocator(4))
             ax.grid(alpha=0.3)
         axes[j // 3, 2 * (j % 3)].set_title(HACKING[name][2], fontsize=9, loc="left")
     for ax in axes.flat[2 * len(names):]:
