@@ -83,13 +83,16 @@ def hacking_curves(run):
     return out
 
 
-def measures(xs) -> list[dict]:
+def measures(xs, *, peak_of=None) -> list[dict]:
     """Each run's numbers at its config's peak, the evaluation where the gold reward's mean change over the seeds is
     highest (one evaluation for all seeds: a maximum per seed would pick each seed's luckiest evaluation): the gold
     change there and at the end, the fall between them, the NFE of the peak, the NFE of the seed's own highest
-    evaluation, and the proxy's change and the KL at the end."""
-    gold = [[p["train"] - x[0]["train"] for p in x] for x in xs]
-    k = max(range(min(map(len, gold))), key=lambda i: stats([g[i] for g in gold])[0])
+    evaluation, and the proxy's change and the KL at the end. peak_of: other runs whose mean picks the peak (then
+    the choice of the evaluation owes nothing to these runs' noise)."""
+    def gold_changes(runs):
+        return [[p["train"] - x[0]["train"] for p in x] for x in runs]
+    gold, chooser = gold_changes(xs), gold_changes(peak_of or xs)
+    k = max(range(min(map(len, gold + chooser))), key=lambda i: stats([g[i] for g in chooser])[0])
     return [{"peak": g[k], "peak_nfe": x[k]["nfe"], "end": g[-1], "fall": g[k] - g[-1],
              "own_peak_nfe": x[max(range(len(g)), key=g.__getitem__)]["nfe"],
              "proxy_end": x[-1]["proxy"] - x[0]["proxy"], "kl_end": x[-1]["kl"]} for x, g in zip(xs, gold)]
@@ -171,6 +174,9 @@ def summarize(a) -> list[str]:
         subsets = [(ms, "")]
         if max(len(cv[c]) for c in (x, y) if c) > FIRST_SEEDS:  # and what the first seeds said
             subsets.append(({c: measures(cv[c][:FIRST_SEEDS]) for c in (x, y) if c}, f", first {FIRST_SEEDS} seeds"))
+        if key in ("peak", "fall") and min(len(cv[c]) for c in (x, y) if c) > FIRST_SEEDS:  # a peak chosen blind
+            subsets.append(({c: measures(cv[c][FIRST_SEEDS:], peak_of=cv[c][:FIRST_SEEDS]) for c in (x, y) if c},
+                            f", the later seeds at the peak of the first {FIRST_SEEDS}"))
         for m, note in subsets:
             (ma, sa, na), (mb, sb, nb) = (stats([r[key] for r in m[c]]) if c else (0.0, 0.0, 2) for c in (x, y))
             se = math.hypot(sa / math.sqrt(na), sb / math.sqrt(nb)) if na > 1 and nb > 1 else float("nan")

@@ -29,6 +29,10 @@ def test_the_peak_is_one_evaluation_for_all_seeds():
     assert [r["fall"] for r in m] == pytest.approx([0.15, 0.08]) and [r["end"] for r in m] == pytest.approx([-0.05, -0.02])
     assert [r["proxy_end"] for r in m] == pytest.approx([0.3, 0.3]) and [r["kl_end"] for r in m] == [3, 6]
     assert [r["own_peak_nfe"] for r in m] == [100, 200]  # each seed's own highest evaluation
+    # the second seed alone peaks at evaluation 2 (+0.10); read at the first seed's peak, evaluation 1, it is +0.06
+    assert hacking.measures(xs[1:])[0]["peak"] == pytest.approx(0.1)
+    blind = hacking.measures(xs[1:], peak_of=xs[:1])[0]
+    assert (blind["peak"], blind["fall"], blind["peak_nfe"]) == pytest.approx((0.06, 0.08, 100))
 
 
 def fake_run(config, seed, gold, proxy, kl, pairs=4):
@@ -43,27 +47,32 @@ def fake_run(config, seed, gold, proxy, kl, pairs=4):
 
 
 def test_summary_judges_the_fall_and_rebuilds_exactly(tmp_path):
-    """--summary-only on raw runs: Flow-GRPO without KL rises then falls (each seed by 0.06-0.14: supported),
-    GRPO-Guard falls less (supported), KL 0.4 peaks later than 0.04 (supported), and a second rebuild writes the
-    same table and figure, byte for byte."""
+    """--summary-only on raw runs: Flow-GRPO without KL (7 seeds) rises then falls (each seed by 0.06-0.18:
+    supported; also on seeds 5 and 6 read at the peak of seeds 0-4), GRPO-Guard falls less (supported), KL 0.4 peaks
+    later than 0.04 (supported), and a second rebuild writes the same table and figure, byte for byte."""
     raw = tmp_path / "raw"
     raw.mkdir()
-    for s in range(5):
+    for s in range(7):
         d = 0.01 * s
         runs = {"proxy_flow_grpo_kl0": ([0.5, 0.53 + d, 0.49, 0.47 - d], [0.5, 0.55, 0.6, 0.65 + d], [0, 1, 2, 3 + s]),
                 "proxy_flow_grpo_guard": ([0.5, 0.52, 0.52 - d / 2, 0.51], [0.5, 0.52, 0.54, 0.56], [0, 1, 1, 2]),
                 "proxy_flow_grpo": ([0.5, 0.52, 0.51, 0.5], [0.5] * 4, [0, 1, 1, 1]),
                 "proxy_flow_grpo_kl4": ([0.5, 0.51, 0.53, 0.52 + 0.02 * (s == 4)], [0.5] * 4, [0, 1, 1, 1])}
         for c, curves in runs.items():
+            if s >= 5 and c != "proxy_flow_grpo_kl0":
+                continue
             (raw / f"{c}__seed{s}.json").write_text(json.dumps(fake_run(c, s, *curves)))
     cmd = [sys.executable, os.path.join(ROOT, "results", "hacking.py"), "--summary-only", "--out", str(tmp_path),
            "--configs", "flow_grpo_kl0", "flow_grpo_guard", "flow_grpo", "flow_grpo_kl4"]
     first = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert first.returncode == 0, first.stderr
     table = (tmp_path / "hacking.md").read_text()
-    # kl0: the seeds' mean is highest at evaluation 1 (+0.05); the falls there are 0.06 + 0.02 s, mean 0.10
-    assert "| Flow-GRPO, no KL | proxy_flow_grpo_kl0 | 5 | +0.0500 +- 0.0071 | 500 (500 +- 0) | -0.0500 +- 0.0071 | " \
-           "+0.1000 +- 0.0141 | +0.1700 +- 0.0071 | 5.0 +- 0.7 |" in table
+    # kl0: the seeds' mean is highest at evaluation 1 (+0.06); the falls there are 0.06 + 0.02 s, mean 0.12
+    assert "| Flow-GRPO, no KL | proxy_flow_grpo_kl0 | 7 | +0.0600 +- 0.0082 | 500 (500 +- 0) | -0.0600 +- 0.0082 | " \
+           "+0.1200 +- 0.0163 | +0.1800 +- 0.0082 | 6.0 +- 0.8 |" in table
+    # seeds 5 and 6 at evaluation 1, where the mean of seeds 0-4 is highest: falls 0.16 and 0.18
+    assert "(proxy_flow_grpo_kl0 vs 0, the later seeds at the peak of the first 5) | 2 | +0.1700 | +0.0000 | " \
+           "+0.1700 +- 0.0100 | **supported** |" in table
     verdicts = dict(re.findall(r"\| ([^|]+) \(proxy_\S+ vs \S+\) \|.*\*\*(.+)\*\* \|", table))
     assert verdicts["Over-optimisation: without KL, gold then falls from its peak"] == "supported"
     assert verdicts["Without KL, the proxy ends above the base model"] == "supported"
