@@ -180,7 +180,7 @@ def summarize(a) -> list[str]:
         for m, note in subsets:
             (ma, sa, na), (mb, sb, nb) = (stats([r[key] for r in m[c]]) if c else (0.0, 0.0, 2) for c in (x, y))
             se = math.hypot(sa / math.sqrt(na), sb / math.sqrt(nb)) if na > 1 and nb > 1 else float("nan")
-            f = ",.0f" if key.endswith("nfe") else "+.4f"
+            f = ",.0f" if key.endswith("nfe") else "+.1f" if key.startswith("kl") else "+.4f"
             lines.append(f"| {claim} ({x} vs {y or 0}{note}) | {na}{f', {nb}' if y else ''} | {ma:{f}} | {mb:{f}} | "
                          f"{ma - mb:{f.replace(',', '+,')}} +- {se:{f.lstrip('+')}} | "
                          f"**{judge(sign * (ma - mb), se, 'better', mb)}** |")
