@@ -7,7 +7,8 @@ Each run is one algorithm file on `--model toy` (its TOY preset plus the flags i
 runs side by side. A config runs max(--min-iterations, its share of --budget-nfe) iterations, rounded up to a multiple
 of --eval-every, and is evaluated (ODE, 256 fixed held-out prompt/seed pairs) every --eval-every iterations.
 Resumable: finished runs are kept in results/compare/raw/ and skipped; an interrupted run continues from its latest
-checkpoint under --runs-dir. The summary needs only raw/, so it can be rebuilt anywhere.
+checkpoint under --runs-dir (one stopped after its last iteration is only collected). The summary needs only raw/,
+so it can be rebuilt anywhere.
 """
 import argparse
 import glob
@@ -207,7 +208,7 @@ def collect(a, config, seed, iterations, out_dir):
             evals[int(name[5:-5])] = {k: [round(x, 5) for x in v] for k, v in json.load(open(os.path.join(run, name))).items()}
     os.makedirs(os.path.dirname(raw_path(a, config, seed)), exist_ok=True)
     tmp = raw_path(a, config, seed) + ".tmp"
-    machines = json.load(open(out_dir + ".json")).get("machines", [])
+    machines = json.load(open(out_dir + ".json")).get("machines", []) if os.path.exists(out_dir + ".json") else []
     more = a.measure(run) if getattr(a, "measure", None) else {}  # e.g. results/hacking.py's KL, from checkpoints
     with open(tmp, "w") as f:
         json.dump({"config": config, "seed": seed, "script": CONFIGS[config][0], "settings": settings(a, config, iterations),
@@ -260,6 +261,11 @@ def loop(a, iters, *, todo, running, failed, env, t0):
             os.makedirs(out_dir, exist_ok=True)
             start = resumed_iteration(cmd)
             before = json.load(open(out_dir + ".json")).get("machines", []) if os.path.exists(out_dir + ".json") else []
+            if start >= iters[c]:  # trained to the end, then stopped before its collection: only collect it
+                print(f"[{time.time() - t0:6.0f} s] collect {c} seed {s} (trained to iteration {start})", flush=True)
+                collect(a, c, s, iters[c], out_dir)
+                print(f"[{time.time() - t0:6.0f} s] done {c} seed {s}", flush=True)
+                continue
             machines = [m for m in before if m["from_iteration"] < start] + [{"from_iteration": start, **machine()}]
             with open(out_dir + ".json", "w") as f:  # which machine trains which iterations, for the CPU unit
                 json.dump({"settings": settings(a, c, iters[c]), "machines": machines}, f)

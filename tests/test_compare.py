@@ -145,11 +145,13 @@ def test_claims_are_the_difference_of_gains_with_the_standard_error_of_a_differe
 def test_tiny_comparison_end_to_end_and_resumable(tmp_path):
     runs, out, tiny = tmp_path / "runs", tmp_path / "out", ["--group-size", "3", "--prompts-per-iteration", "1"]
     # an interrupted run (flow_grpo seed 0 stopped after its checkpoint at iteration 1) and one that died before any
-    pre = subprocess.run([sys.executable, "flow_grpo.py", "--model", "toy", "--seed", "0", "--output-dir",
-                          str(runs / "flow_grpo" / "seed0"), "--exp-name", "flow_grpo", "--num-iterations", "1",
-                          "--eval-every", "1", "--eval-num", "4", "--save-every", "1", "--log-images-every", "0", *tiny],
-                         cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert pre.returncode == 0, pre.stderr[-2000:]
+    # and one (flow_grpo seed 1) trained to the end, stopped before compare.py collected it
+    for seed, iterations in ((0, 1), (1, 2)):
+        pre = subprocess.run([sys.executable, "flow_grpo.py", "--model", "toy", "--seed", str(seed), "--output-dir",
+                              str(runs / "flow_grpo" / f"seed{seed}"), "--exp-name", "flow_grpo", "--num-iterations",
+                              str(iterations), "--eval-every", "1", "--eval-num", "4", "--save-every", "1",
+                              "--log-images-every", "0", *tiny], cwd=ROOT, capture_output=True, text=True, timeout=600)
+        assert pre.returncode == 0, pre.stderr[-2000:]
     (runs / "dense_n1" / "seed1" / "dead_run").mkdir(parents=True)
     cmd = [sys.executable, os.path.join(ROOT, "results", "compare.py"), "--configs", "flow_grpo", "dense_n1",
            "--seeds", "0", "1", "--iterations", "2", "--eval-every", "1", "--eval-num", "4", "--workers", "2",
@@ -157,14 +159,16 @@ def test_tiny_comparison_end_to_end_and_resumable(tmp_path):
     first = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
     assert "start flow_grpo seed 0 (resumed)" in first.stdout and "start dense_n1 seed 1\n" in first.stdout
+    assert "collect flow_grpo seed 1 (trained to iteration 2)" in first.stdout and "start flow_grpo seed 1" not in first.stdout
     assert not (runs / "dense_n1" / "seed1" / "dead_run").exists()
     for c in ("flow_grpo", "dense_n1"):
         for s in (0, 1):
             raw = json.load(open(out / "raw" / f"{c}__seed{s}.json"))
             assert sorted(raw["evals"]) == ["0", "1", "2"] and len(raw["evals"]["2"]["toy_strict"]) == 4
             assert [r["iteration"] for r in raw["metrics"]] == [0, 1, 2]
-            # the machine of each part: the resumed run's first iteration ran outside compare.py, unrecorded
-            assert raw["machines"] == [{"from_iteration": int(c == "flow_grpo" and s == 0), **compare.machine()}]
+            # the machine of each part: the runs' iterations that ran outside compare.py are unrecorded
+            outside = {("flow_grpo", 0): 1, ("flow_grpo", 1): 2}.get((c, s), 0)
+            assert raw["machines"] == ([{"from_iteration": outside, **compare.machine()}] if outside < 2 else [])
             assert all(r["perf/nfe_per_iteration"] > 0 for r in raw["metrics"][1:])
             (run,) = os.listdir(runs / c / f"seed{s}")
             assert not os.path.exists(runs / c / f"seed{s}" / run / "checkpoints")  # pruned once collected
