@@ -150,7 +150,8 @@ def test_tiny_comparison_end_to_end_and_resumable(tmp_path):
         pre = subprocess.run([sys.executable, "flow_grpo.py", "--model", "toy", "--seed", str(seed), "--output-dir",
                               str(runs / "flow_grpo" / f"seed{seed}"), "--exp-name", "flow_grpo", "--num-iterations",
                               str(iterations), "--eval-every", "1", "--eval-num", "4", "--save-every", "1",
-                              "--log-images-every", "0", *tiny], cwd=ROOT, capture_output=True, text=True, timeout=600)
+                              "--log-images-every", "0", *tiny], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                             env=dict(os.environ, OMP_NUM_THREADS="1"))  # one thread, as compare.py runs them
         assert pre.returncode == 0, pre.stderr[-2000:]
     (runs / "dense_n1" / "seed1" / "dead_run").mkdir(parents=True)
     cmd = [sys.executable, os.path.join(ROOT, "results", "compare.py"), "--configs", "flow_grpo", "dense_n1",
