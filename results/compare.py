@@ -195,6 +195,12 @@ def command(a, config, seed, iterations, out_dir):
     return cmd + (["--resume", max(resumable)] if resumable else [])
 
 
+def recorded_machines(out_dir) -> list:
+    """The machines that trained a run's iterations so far, as loop() records them ([] for a run begun elsewhere)."""
+    path = out_dir + ".json"
+    return json.load(open(path)).get("machines", []) if os.path.exists(path) else []
+
+
 def collect(a, config, seed, iterations, out_dir):
     """Copy a finished run's logs into raw/ (per-iteration metrics, every evaluation's per-pair scores)."""
     (run,) = [os.path.join(out_dir, d) for d in os.listdir(out_dir)]
@@ -208,7 +214,7 @@ def collect(a, config, seed, iterations, out_dir):
             evals[int(name[5:-5])] = {k: [round(x, 5) for x in v] for k, v in json.load(open(os.path.join(run, name))).items()}
     os.makedirs(os.path.dirname(raw_path(a, config, seed)), exist_ok=True)
     tmp = raw_path(a, config, seed) + ".tmp"
-    machines = json.load(open(out_dir + ".json")).get("machines", []) if os.path.exists(out_dir + ".json") else []
+    machines = recorded_machines(out_dir)
     more = a.measure(run) if getattr(a, "measure", None) else {}  # e.g. results/hacking.py's KL, from checkpoints
     with open(tmp, "w") as f:
         json.dump({"config": config, "seed": seed, "script": CONFIGS[config][0], "settings": settings(a, config, iterations),
@@ -260,13 +266,13 @@ def loop(a, iters, *, todo, running, failed, env, t0):
             cmd = command(a, c, s, iters[c], out_dir)
             os.makedirs(out_dir, exist_ok=True)
             start = resumed_iteration(cmd)
-            before = json.load(open(out_dir + ".json")).get("machines", []) if os.path.exists(out_dir + ".json") else []
             if start >= iters[c]:  # trained to the end, then stopped before its collection: only collect it
                 print(f"[{time.time() - t0:6.0f} s] collect {c} seed {s} (trained to iteration {start})", flush=True)
                 collect(a, c, s, iters[c], out_dir)
                 print(f"[{time.time() - t0:6.0f} s] done {c} seed {s}", flush=True)
                 continue
-            machines = [m for m in before if m["from_iteration"] < start] + [{"from_iteration": start, **machine()}]
+            machines = [m for m in recorded_machines(out_dir) if m["from_iteration"] < start]
+            machines.append({"from_iteration": start, **machine()})
             with open(out_dir + ".json", "w") as f:  # which machine trains which iterations, for the CPU unit
                 json.dump({"settings": settings(a, c, iters[c]), "machines": machines}, f)
             log = open(out_dir + ".log", "a")
