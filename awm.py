@@ -48,6 +48,9 @@ class Args:
     """a directory of text embeddings, each prompt encoded once before training; no text encoder is kept"""
     guidance: float = 1.0
     """classifier-free guidance scale (SD3, empty negative prompt) or guidance embedding (Flux)"""
+    detach_uncond: bool = False
+    """true CFG in the training forwards: no gradient through the unconditional prediction (Flow-GRPO's code
+    before 2025-08-19, a482878); by default the gradient flows through both, as in every current code base"""
 
     # Data and rewards
     prompts: str = "data/pickscore/train.txt"
@@ -298,7 +301,8 @@ if __name__ == "__main__":
                     with torch.no_grad(), amp, swapped_in(params, kl_ema):
                         v_ema = velocity(transformer, kind, x_t, t, emb_c, guidance=args.guidance)
                 with amp:
-                    v = velocity(transformer, kind, x_t, t, emb_c, guidance=args.guidance)
+                    v = velocity(transformer, kind, x_t, t, emb_c, guidance=args.guidance,
+                                 detach_uncond=args.detach_uncond)
                 log_prob = awm_log_prob(v, eps - x0[c], t, weighting=args.weighting, power=args.ghuber_power)
                 # the first mini-batch's old log-prob is this forward's (train:1282-1284): a ratio of 1
                 old_log_prob = log_prob.detach() if u == 0 else old_log_probs[u, k]

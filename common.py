@@ -323,12 +323,13 @@ def select(emb: dict, index) -> dict:
     return {k: v[index] for k, v in emb.items()}
 
 
-def velocity(transformer, kind: str, x, sigma, emb: dict, *, guidance: float):
+def velocity(transformer, kind: str, x, sigma, emb: dict, *, guidance: float, detach_uncond: bool = False):
     """The model's velocity v(x, sigma) = dx/dsigma for latents x [B, C, H, W] at noise levels sigma (the
-    family's packing, position ids, timestep convention and guidance: models.FAMILIES)."""
+    family's packing, position ids, timestep convention and guidance: models.FAMILIES). With true CFG the
+    gradient flows through both predictions, unless `detach_uncond` (Flow-GRPO's code before 2025-08-19)."""
     NFE["count"] += x.shape[0]
     t = torch.as_tensor(sigma, dtype=torch.float32).to(x.device).expand(x.shape[0]).contiguous()  # not bf16
-    return FAMILIES[kind]["velocity"](transformer, x, t, emb, guidance=guidance)
+    return FAMILIES[kind]["velocity"](transformer, x, t, emb, guidance=guidance, detach_uncond=detach_uncond)
 
 
 def velocities(transformer, kind: str, x, sigma, emb: dict, *, rows, chunks, guidance: float):

@@ -49,6 +49,9 @@ class Args:
     guidance: float = 4.5
     """the rollout's classifier-free guidance scale (SD3, empty negative prompt) or guidance embedding (Flux);
     training forwards are conditional (no negative prompt)"""
+    detach_uncond: bool = False
+    """true CFG in the training forwards: no gradient through the unconditional prediction (Flow-GRPO's code
+    before 2025-08-19, a482878); by default the gradient flows through both, as in every current code base"""
 
     # Data and rewards
     prompts: str = "data/pickscore/train.txt"
@@ -255,7 +258,8 @@ if __name__ == "__main__":
                 with torch.no_grad(), amp, swapped_in(params, ema_ref):  # before the policy's graph (:1116)
                     v_ema = velocity(transformer, kind, x_t, t, emb_c, guidance=args.guidance)
                 with amp:
-                    v = velocity(transformer, kind, x_t, t, emb_c, guidance=args.guidance)
+                    v = velocity(transformer, kind, x_t, t, emb_c, guidance=args.guidance,
+                                 detach_uncond=args.detach_uncond)
                 if args.beta > 0 or not args.ema_reference:  # the base model (kl_cfg 1: conditional)
                     with torch.no_grad(), amp, as_reference(transformer, run.ref_model) as reference:
                         v_ref = velocity(reference, kind, x_t, t, emb_c,

@@ -48,6 +48,9 @@ class Args:
     """a directory of text embeddings, each prompt encoded once before training; no text encoder is kept"""
     guidance: float = 1.0
     """classifier-free guidance scale (SD3, empty negative prompt) or guidance embedding (Flux)"""
+    detach_uncond: bool = False
+    """true CFG in the training forwards: no gradient through the unconditional prediction (Flow-GRPO's code
+    before 2025-08-19, a482878); by default the gradient flows through both, as in every current code base"""
 
     # Data and rewards
     prompts: str = "data/pickscore/train.txt"
@@ -245,7 +248,8 @@ if __name__ == "__main__":
                 with torch.no_grad(), amp, swapped_in(params, old):  # before the graph needs the weights
                     v_old = velocity(transformer, kind, x_t, sigma, emb_c, guidance=args.guidance).float()
                 with amp:
-                    v = velocity(transformer, kind, x_t, sigma, emb_c, guidance=args.guidance).float()
+                    v = velocity(transformer, kind, x_t, sigma, emb_c, guidance=args.guidance,
+                                 detach_uncond=args.detach_uncond).float()
                 # the implicit policies (Eq. 8) in x0 space, each error over its own mean (train_nft_sd3.py)
                 losses, dims = [], (1, 2, 3)
                 for v_implicit in (args.nft_beta * v + (1 - args.nft_beta) * v_old,

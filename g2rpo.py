@@ -50,6 +50,9 @@ class Args:
     """a directory of text embeddings, each prompt encoded once before training; no text encoder is kept"""
     guidance: float = 3.5
     """classifier-free guidance scale (SD3, empty negative prompt) or guidance embedding (Flux)"""
+    detach_uncond: bool = False
+    """true CFG in the training forwards: no gradient through the unconditional prediction (Flow-GRPO's code
+    before 2025-08-19, a482878); by default the gradient flows through both, as in every current code base"""
 
     # Data and rewards
     prompts: str = "data/hpdv2/train.txt"
@@ -298,8 +301,8 @@ if __name__ == "__main__":
                 emb_c = select(emb, a)
                 rows = group[c] - a[0]  # each member reuses its prompt's v(x_k): they share x_k exactly
                 with amp:
-                    v = velocity(transformer, kind, anchor_x[j][a], sigmas[j], emb_c,
-                                 guidance=args.guidance)[rows]
+                    v = velocity(transformer, kind, anchor_x[j][a], sigmas[j], emb_c, guidance=args.guidance,
+                                 detach_uncond=args.detach_uncond)[rows]
                 _, log_prob, mean, std = sde_step(v, anchor_x[j][a][rows], sigmas, j, args.noise_level,
                                                   prev_sample=post[j][c])
                 ratio = torch.exp(log_prob - old_log_probs[j][c])

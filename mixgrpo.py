@@ -50,6 +50,9 @@ class Args:
     """a directory of text embeddings, each prompt encoded once before training; no text encoder is kept"""
     guidance: float = 3.5
     """classifier-free guidance scale (SD3, empty negative prompt) or guidance embedding (Flux)"""
+    detach_uncond: bool = False
+    """true CFG in the training forwards: no gradient through the unconditional prediction (Flow-GRPO's code
+    before 2025-08-19, a482878); by default the gradient flows through both, as in every current code base"""
 
     # Data and rewards
     prompts: str = "data/hpdv2/train.txt"
@@ -330,7 +333,8 @@ if __name__ == "__main__":
                 adv = advantages[c]
                 emb_c = select(emb, group[c])
                 with amp:
-                    v = velocity(transformer, kind, latents[j][c], sigmas[j], emb_c, guidance=args.guidance)
+                    v = velocity(transformer, kind, latents[j][c], sigmas[j], emb_c, guidance=args.guidance,
+                                 detach_uncond=args.detach_uncond)
                 _, log_prob, mean, std = sde_step(v, latents[j][c], sigmas, j, noise_levels[j],
                                                   prev_sample=latents[j + 1][c])
                 ratio = torch.exp(log_prob - old_log_probs[j][c])

@@ -9,7 +9,8 @@ An entry (a dict of plain functions and names) defines:
     mu              (pipe, latent (C, H, W), num_steps) -> the schedule's shift parameter mu (None: no shift)
     base_sigmas     num_steps -> the noise levels before the shift (None: the scheduler's own, SD3)
     encode          (pipe, prompts, *, max_sequence_length, guidance, device) -> {name: [B, ...] tensors}
-    velocity        (transformer, x [B, C, H, W], t [B] float32 sigma, emb, *, guidance) -> v, as dx/dsigma
+    velocity        (transformer, x [B, C, H, W], t [B] float32 sigma, emb, *, guidance, detach_uncond) -> v,
+                    as dx/dsigma
     decode          (pipe, latents [B, C, H, W]) -> the VAE's output in [-1, 1]
     lora_targets    transformer -> the peft target module names (attention and MLP projections)
     blocks          transformer -> its blocks in order (FSDP2's units, activation checkpointing)
@@ -22,7 +23,8 @@ An entry (a dict of plain functions and names) defines:
 
 Every velocity returns dx/dsigma in the latent layout the family's pipeline draws its noise in, so the same
 initial noise and the same schedule give the pipeline's own latents (tests/test_families.py). Where a family
-uses true CFG, the unconditional prediction carries no gradient (Flow-GRPO's compute_log_prob, train_sd3.py).
+uses true CFG, the gradient flows through both predictions, as in Flow-GRPO's compute_log_prob since a482878
+(2025-08-19) and every current implementation; detach_uncond stops it at the unconditional one (the old code).
 Adding a family: write these functions and an entry, and build a tiny pipeline of it in toy/tiny_families.py.
 """
 import numpy as np
@@ -45,9 +47,10 @@ def linspace_sigmas(num_steps: int):
     return np.linspace(1.0, 1 / num_steps, num_steps)
 
 
-def cfg(uncond, cond, w: float):
-    """uncond + w (cond - uncond), the gradient through the conditional prediction only."""
-    return uncond.detach() + w * (cond - uncond.detach())
+def cfg(uncond, cond, w: float, *, detach_uncond: bool):
+    """uncond + w (cond - uncond); with `detach_uncond` the gradient reaches the conditional one only."""
+    uncond = uncond.detach() if detach_uncond else uncond
+    return uncond + w * (cond - uncond)
 
 
 def pack(x):
@@ -95,7 +98,7 @@ def flux_encode(pipe, prompts, *, max_sequence_length, guidance, device):
     return {"embeds": embeds, "pooled": pooled}
 
 
-def flux_velocity(transformer, x, t, emb, *, guidance):
+def flux_velocity(transformer, x, t, emb, *, guidance, detach_uncond):
     """Packed 2x2 latents, position ids, the timestep sigma, the guidance embedding of FLUX.1-dev."""
     from diffusers import FluxPipeline
     b, c, h, w = x.shape
@@ -132,7 +135,7 @@ def sd3_encode(pipe, prompts, *, max_sequence_length, guidance, device):
     return {**out, "neg_embeds": neg, "neg_pooled": neg_pooled} if guidance > 1 else out
 
 
-def sd3_velocity(transformer, x, t, emb, *, guidance):
+def sd3_velocity(transformer, x, t, emb, *, guidance, detach_uncond):
     """Timestep 1000 sigma; CFG as one forward of [neg; pos]."""
     dtype = next(transformer.parameters()).dtype
     both = "neg_embeds" in emb and guidance > 1
@@ -142,7 +145,7 @@ def sd3_velocity(transformer, x, t, emb, *, guidance):
     out = transformer(hidden_states=hidden.to(dtype), timestep=timestep,
                       encoder_hidden_states=embeds.to(dtype), pooled_projections=pooled.to(dtype),
                       return_dict=False)[0]
-    return cfg(*out.chunk(2), guidance) if both else out
+    return cfg(*out.chunk(2), guidance, detach_uncond=detach_uncond) if both else out
 
 
 # ======== Qwen-Image (QwenImagePipeline) ========
@@ -164,7 +167,7 @@ def qwen_encode(pipe, prompts, *, max_sequence_length, guidance, device):
     return out
 
 
-def qwen_velocity(transformer, x, t, emb, *, guidance):
+def qwen_velocity(transformer, x, t, emb, *, guidance, detach_uncond):
     """Packed 2x2 latents, the timestep sigma (rounded in float32 as the pipeline's t / 1000), the text mask;
     true CFG with the guided prediction rescaled per token to the conditional one's norm
     (pipeline_qwenimage.py)."""
@@ -180,7 +183,7 @@ def qwen_velocity(transformer, x, t, emb, *, guidance):
                            img_shapes=shapes, return_dict=False)[0]
     v = forward("")
     if "neg_embeds" in emb and guidance > 1:
-        combined = cfg(forward("neg_"), v, guidance)
+        combined = cfg(forward("neg_"), v, guidance, detach_uncond=detach_uncond)
         v = combined * (v.norm(dim=-1, keepdim=True) / combined.norm(dim=-1, keepdim=True))
     return unpack(v, x.shape)
 
@@ -224,7 +227,7 @@ def flux2_cfg(transformer, guidance: float, distilled) -> bool:
     return not transformer.config.guidance_embeds and not distilled and guidance > 1
 
 
-def flux2_velocity(transformer, x, t, emb, *, guidance):
+def flux2_velocity(transformer, x, t, emb, *, guidance, detach_uncond):
     """Tokens [B, H W, 4C], 4-axis position ids (T, H, W, L), the timestep sigma as the pipeline rounds it;
     [dev]: the guidance embedding; [klein] base: true CFG against ""."""
     from diffusers import Flux2Pipeline
@@ -242,7 +245,7 @@ def flux2_velocity(transformer, x, t, emb, *, guidance):
                            return_dict=False)[0][:, :h * w]
     v = forward(emb["embeds"])
     if "neg_embeds" in emb and guidance > 1:
-        v = cfg(forward(emb["neg_embeds"]), v, guidance)
+        v = cfg(forward(emb["neg_embeds"]), v, guidance, detach_uncond=detach_uncond)
     return v.permute(0, 2, 1).reshape(b, c, h, w)
 
 
@@ -284,7 +287,7 @@ def zimage_encode(pipe, prompts, *, max_sequence_length, guidance, device):
     return out
 
 
-def zimage_velocity(transformer, x, t, emb, *, guidance):
+def zimage_velocity(transformer, x, t, emb, *, guidance, detach_uncond):
     """Latents as a list of [C, 1, H, W], captions as a list without padding, the model's time 1 - sigma; its
     output is minus the velocity. CFG: pos + g (pos - neg), one forward of [pos; neg] as the pipeline's."""
     dtype = next(transformer.parameters()).dtype
@@ -298,8 +301,9 @@ def zimage_velocity(transformer, x, t, emb, *, guidance):
                       return_dict=False)[0]
     out = torch.stack([o.float() for o in out]).squeeze(2)
     v = out[:len(x)]
-    if both:  # written as the pipeline's pos + g (pos - neg), the gradient through pos only
-        v = v + guidance * (v - out[len(x):].detach())
+    if both:  # written as the pipeline's pos + g (pos - neg)
+        neg = out[len(x):].detach() if detach_uncond else out[len(x):]
+        v = v + guidance * (v - neg)
     return -v
 
 

@@ -605,9 +605,9 @@ class FullRow(int):
 def full_rows(velocity):
     """A family's velocity with each text mask's rows counted full."""
     @functools.wraps(velocity)
-    def run(transformer, x, t, emb, *, guidance):
+    def run(transformer, x, t, emb, *, guidance, detach_uncond):
         rows = {k: [FullRow(v.shape[-1])] * len(v) for k, v in emb.items() if k.endswith("mask")}
-        return velocity(transformer, x, t, {**emb, **rows}, guidance=guidance)
+        return velocity(transformer, x, t, {**emb, **rows}, guidance=guidance, detach_uncond=detach_uncond)
     return run
 
 
@@ -935,7 +935,7 @@ def estimate(name, script, argv, world, *, tiny=False, undo=(), phases=None, cou
             x_t = (1 - t) * x0 + t * lat(mb)
             with torch.no_grad(), common.swapped_in(params, old):
                 v_old = common.velocity(transformer, kind, x_t, sigmas[1], e, guidance=args.guidance).float()
-            v = common.velocity(transformer, kind, x_t, sigmas[1], e, guidance=args.guidance).float()
+            v = common.velocity(transformer, kind, x_t, sigmas[1], e, guidance=args.guidance, detach_uncond=args.detach_uncond).float()
             losses = []
             for v_implicit in (args.nft_beta * v + (1 - args.nft_beta) * v_old,
                                (1 + args.nft_beta) * v_old - args.nft_beta * v):
@@ -961,7 +961,7 @@ def estimate(name, script, argv, world, *, tiny=False, undo=(), phases=None, cou
                 x_t = (1 - t) * xt + t * eps
                 with torch.no_grad(), common.swapped_in(params, kl_ema):
                     v_ema = common.velocity(transformer, kind, x_t, t, e, guidance=args.guidance)
-                v = common.velocity(transformer, kind, x_t, t, e, guidance=args.guidance)
+                v = common.velocity(transformer, kind, x_t, t, e, guidance=args.guidance, detach_uncond=args.detach_uncond)
                 with torch.no_grad(), common.as_reference(transformer, ref) as reference:
                     v_ref = common.velocity(reference, kind, x_t, t, e, guidance=args.guidance)
                 mse, mse_ema, mse_ref = (((eps - xt - w.double()) ** 2).mean(dim=(1, 2, 3))
@@ -975,7 +975,7 @@ def estimate(name, script, argv, world, *, tiny=False, undo=(), phases=None, cou
                 x_t = (1 - t) * xt + t * eps
                 with torch.no_grad(), common.swapped_in(params, kl_ema):
                     v_ema = common.velocity(transformer, kind, x_t, t, e, guidance=args.guidance)
-                v = common.velocity(transformer, kind, x_t, t, e, guidance=args.guidance)
+                v = common.velocity(transformer, kind, x_t, t, e, guidance=args.guidance, detach_uncond=args.detach_uncond)
                 log_prob = mod.awm_log_prob(v, eps - xt, t, weighting=args.weighting, power=args.ghuber_power)
                 ratio = torch.exp(log_prob - log_prob.detach())
                 policy_loss = torch.max(-adv * ratio, -adv * ratio.clamp(1 - args.clip_range, 1 + args.clip_range))
@@ -985,7 +985,7 @@ def estimate(name, script, argv, world, *, tiny=False, undo=(), phases=None, cou
                         + args.ema_beta * ((v.double() - v_ema.double()) ** 2).mean())
                 (loss / 4).backward()
                 return
-            v = common.velocity(transformer, kind, xt, sigmas[j], e, guidance=args.guidance)
+            v = common.velocity(transformer, kind, xt, sigmas[j], e, guidance=args.guidance, detach_uncond=args.detach_uncond)
             if script == "g2rpo":  # each member reuses its prompt's v(x_k)
                 members = torch.zeros(train_rows * G, dtype=torch.long)
                 v, xt, old_log_probs = v[members], xt[members], torch.zeros(len(members))

@@ -144,10 +144,10 @@ def test_several_steps_per_iteration_train_what_the_official_code_trains(tiny, t
         return wrap
 
     def velocity_spy(real):
-        def spy(transformer, kind, x, sigma, emb, *, guidance):
+        def spy(transformer, kind, x, sigma, emb, *, guidance, detach_uncond=False):
             if torch.is_grad_enabled():  # the policy's forwards: the terms a step trains on
                 seen["policy_forwards"].append((len(seen["steps"]), x.detach().clone(), float(sigma), emb))
-            return real(transformer, kind, x, sigma, emb, guidance=guidance)
+            return real(transformer, kind, x, sigma, emb, guidance=guidance, detach_uncond=detach_uncond)
         return spy
 
     def start_run_spy(real):

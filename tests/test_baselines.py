@@ -209,10 +209,10 @@ def test_dancegrpo_trains_random_steps_per_sample(tiny, tmp_path, monkeypatch):
 
     rows, real = [], common.velocity
 
-    def spy(transformer, kind, x, sigma, emb, *, guidance):
+    def spy(transformer, kind, x, sigma, emb, *, guidance, detach_uncond=False):
         if torch.is_grad_enabled():
             rows.append((round(float(sigma), 6), len(x)))
-        return real(transformer, kind, x, sigma, emb, guidance=guidance)
+        return real(transformer, kind, x, sigma, emb, guidance=guidance, detach_uncond=detach_uncond)
 
     monkeypatch.setattr(common, "velocity", spy)
     flags = tiny_flags(tiny["flux"], tiny["prompts"], tmp_path, num_steps=11, num_iterations=1, eval_every=0,

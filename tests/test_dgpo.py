@@ -123,10 +123,10 @@ def test_an_update_is_the_official_loss_and_the_ema_reference_follows_its_law(ti
         return spy
 
     def velocity_spy(real):
-        def spy(transformer, kind, x, sigma, emb, *, guidance):
+        def spy(transformer, kind, x, sigma, emb, *, guidance, detach_uncond=False):
             if torch.is_grad_enabled():  # the policy's forwards: the terms a step trains on
                 seen["policy_forwards"].append((len(seen["steps"]), x.detach().clone(), float(sigma), emb))
-            return real(transformer, kind, x, sigma, emb, guidance=guidance)
+            return real(transformer, kind, x, sigma, emb, guidance=guidance, detach_uncond=detach_uncond)
         return spy
 
     def start_run_spy(real):

@@ -78,6 +78,58 @@ def test_the_sampler_reproduces_the_pipeline(family_dirs, name):
     assert images.shape == (1, 3, 32, 32) and images.min() >= 0 and images.max() <= 1
 
 
+def written_out_cfg(name, cond, uncond, g):
+    """Each family's guided velocity from its two predictions, as its pipeline's __call__ writes it."""
+    if name == "zimage":  # pos + g (pos - neg) on the model's output, which is minus the velocity
+        return cond + g * (cond - uncond)
+    guided = uncond + g * (cond - uncond)
+    if name == "qwenimage":  # the guided prediction rescaled per token to the conditional one's norm
+        c, p = models.pack(cond), models.pack(guided)
+        return models.unpack(p * (c.norm(dim=-1, keepdim=True) / p.norm(dim=-1, keepdim=True)), cond.shape)
+    return guided
+
+
+@pytest.mark.parametrize("name", ["sd3", "qwenimage", "flux2-klein", "zimage", "toy"])
+def test_the_guidance_gradient_flows_through_both_halves_unless_detached(family_dirs, tiny, name):
+    """The training forward's parameter gradient with true CFG is that of the guided expression written out
+    from the two predictions (each one a conditional forward), through both, g dv_cond - (g - 1) dv_uncond
+    (Flow-GRPO since a482878), or with --detach-uncond through the conditional one only (g dv_cond); the two
+    differ. The toy's Flux has a guidance embedding and no CFG: its gradient is bitwise the same both ways."""
+    path = {"sd3": tiny["sd3"], "toy": common.MODEL_ALIASES["toy"]}.get(name) or family_dirs[name]
+    pipe, kind = common.load_pipeline(path, torch.device("cpu"))
+    g = 3.5 if name == "toy" else 4.0
+    emb = common.encode_prompts(pipe, kind, PROMPTS[:2], max_sequence_length=16, cfg=g)
+    shape = common.latent_shape(pipe, kind, 32)
+    x = torch.randn((2, *shape), generator=torch.Generator().manual_seed(0))
+    projection = torch.randn((2, *shape), generator=torch.Generator().manual_seed(1))
+    params = list(pipe.transformer.parameters())
+    pipe.transformer.requires_grad_(True)
+
+    def grads(v):
+        return torch.autograd.grad((v * projection).sum(), params, allow_unused=True)
+
+    def trained(detach_uncond):
+        return grads(common.velocity(pipe.transformer, kind, x, 0.6, emb, guidance=g, detach_uncond=detach_uncond))
+    both, detached = trained(False), trained(True)
+    differ = max((a - b).abs().max().item() for a, b in zip(both, detached) if a is not None)
+    if name == "toy":
+        assert not any(k.startswith("neg_") for k in emb) and differ == 0
+        return
+    off = 0.0 if name == "zimage" else 1.0  # no CFG: the conditional prediction alone
+    cond = {k: v for k, v in emb.items() if not k.startswith("neg_")}
+    uncond = {**cond, **{k[len("neg_"):]: v for k, v in emb.items() if k.startswith("neg_")}}
+    for detach_uncond, ours in ((False, both), (True, detached)):
+        v_cond = common.velocity(pipe.transformer, kind, x, 0.6, cond, guidance=off, detach_uncond=False)
+        v_uncond = common.velocity(pipe.transformer, kind, x, 0.6, uncond, guidance=off, detach_uncond=False)
+        v_uncond = v_uncond.detach() if detach_uncond else v_uncond
+        expected = grads(written_out_cfg(name, v_cond, v_uncond, g))
+        error = max((a - b).abs().max().item() for a, b in zip(ours, expected) if b is not None)
+        scale = max(b.abs().max().item() for b in expected if b is not None)
+        assert error < 1e-5 * scale, (error, scale)  # float32 (SD3, Z-Image: [neg; pos] in one forward)
+    assert differ > 0.05 * scale, (differ, scale)  # the other behaviour fails the check above
+    pipe.transformer.requires_grad_(False)
+
+
 CASES = {  # file: flags on top of tiny_flags (4 steps), as tests/test_resume.py runs them
     "flow_grpo.py": {}, "densegrpo.py": {"dense_ode_steps": 2}, "diffusion_nft.py": {}, "awm.py": {"train_timesteps": 2},
     "dancegrpo.py": {"updates_per_iteration": 1, "no_full_finetune": True},

@@ -251,10 +251,13 @@ def test_open_clip_normalisation_comes_from_the_model(tmp_path):
     torch.testing.assert_close(fn(x, prompts), expected, rtol=1e-4, atol=1e-5)
 
 
-def test_sd3_guidance_gradient_follows_the_official_form():
-    """Flow-GRPO's compute_log_prob (scripts/train_sd3.py) detaches the unconditional half of the CFG pair before
-    uncond + g (text - uncond): the parameter gradient of velocity() is g d(text), not g d(text) - (g - 1)
-    d(uncond). Checked against that expression computed by hand from the two halves."""
+@pytest.mark.parametrize("detach_uncond", [False, True])
+def test_sd3_guidance_gradient_follows_the_official_form(detach_uncond):
+    """Flow-GRPO's compute_log_prob (scripts/train_sd3.py) forms uncond + g (text - uncond) from one forward of
+    [negative; positive]; since a482878 (2025-08-19) the gradient flows through both halves, g d(text) - (g - 1)
+    d(uncond); before it, `noise_pred_uncond.detach()` left g d(text) (--detach-uncond). The parameter gradient
+    of velocity() is checked against each expression computed by hand from the two halves, and differs from the
+    other one."""
     pipe = build_sd3()
     transformer, g = pipe.transformer, 4.5
     emb = common.encode_prompts(pipe, "sd3", ["a red circle", "a blue square"], max_sequence_length=16, cfg=g)
@@ -266,22 +269,22 @@ def test_sd3_guidance_gradient_follows_the_official_form():
     def grads(v):
         return torch.autograd.grad((v * projection).sum(), params, allow_unused=True, retain_graph=True)
 
-    v = velocity(transformer, "sd3", x, 0.7, emb, guidance=g)
+    v = velocity(transformer, "sd3", x, 0.7, emb, guidance=g, detach_uncond=detach_uncond)
     ours = grads(v)
-    # the official expression: the transformer on [negative; positive], the negative half detached
+    # the official expression: the transformer on [negative; positive]
     t = torch.full((4,), 700.0)
     out = transformer(hidden_states=torch.cat([x, x]), timestep=t,
                       encoder_hidden_states=torch.cat([emb["neg_embeds"], emb["embeds"]]),
                       pooled_projections=torch.cat([emb["neg_pooled"], emb["pooled"]]), return_dict=False)[0]
     uncond, text = out.chunk(2)
-    official = uncond.detach() + g * (text - uncond.detach())
-    both_halves = uncond + g * (text - uncond)  # what a gradient through both halves would train
+    both_halves = uncond + g * (text - uncond)  # train_sd3.py at 1f4ca40 (after a482878)
+    detached = uncond.detach() + g * (text - uncond.detach())  # train_sd3.py before a482878
+    official, other = (detached, both_halves) if detach_uncond else (both_halves, detached)
     torch.testing.assert_close(v, official, rtol=0, atol=1e-6)  # the velocity itself is the same
     for a, b in zip(ours, grads(official)):
         if b is not None:
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
-    through_both = grads(both_halves)
-    diff = max((a - b).abs().max() for a, b in zip(ours, through_both) if b is not None)
+    diff = max((a - b).abs().max() for a, b in zip(ours, grads(other)) if b is not None)
     assert diff > 1e-3  # the two forms really differ on this model
     transformer.requires_grad_(False)
 

@@ -212,8 +212,8 @@ def test_non_finite_gradient_stops_before_any_checkpoint(tiny, tmp_path, monkeyp
 
     real = common.velocity
 
-    def overflowing(transformer, kind, x, sigma, emb, *, guidance):
-        v = real(transformer, kind, x, sigma, emb, guidance=guidance)
+    def overflowing(transformer, kind, x, sigma, emb, *, guidance, detach_uncond=False):
+        v = real(transformer, kind, x, sigma, emb, guidance=guidance, detach_uncond=detach_uncond)
         return v * float("nan") if torch.is_grad_enabled() else v
 
     monkeypatch.setattr(common, "velocity", overflowing)
