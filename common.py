@@ -32,10 +32,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from models import FAMILIES, family_of
-from models import blocks as family_blocks
-from models import sigmas as family_sigmas
-
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -43,6 +39,34 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 def fail(message: str):
     """Stop with a one-line error (no traceback): bad input says what was wrong and what is allowed."""
     raise SystemExit(f"error: {message}")
+
+
+def missing_file(module: str) -> str:
+    path = module.replace(".", "/") + ".py"
+    return (f"{path} is missing: copy this project's {path} next to common.py as {path} (README: copying one "
+            f"file)")
+
+
+SIBLINGS = ("models", "rundir", "rewards", "toy.world", "toy.proxy")  # this project's modules a copy may lack
+
+
+def _one_line_for_a_missing_sibling(kind, value, tb, *, hook=sys.excepthook):
+    """An algorithm file copied without rundir.py (imported after this module): one line naming the file."""
+    if issubclass(kind, ModuleNotFoundError) and value.name in SIBLINGS:
+        print(f"error: {missing_file(value.name)}", file=sys.stderr)
+    else:
+        hook(kind, value, tb)
+
+
+sys.excepthook = _one_line_for_a_missing_sibling
+try:
+    from models import FAMILIES, family_of
+    from models import blocks as family_blocks
+    from models import sigmas as family_sigmas
+except ModuleNotFoundError as e:
+    if e.name != "models":
+        raise
+    fail(missing_file("models"))
 
 
 # ======== 1. Samplers, mini-batches, CoCA's credit (torch only) ========
@@ -550,9 +574,7 @@ def import_sibling(name: str):
     except ModuleNotFoundError as e:
         if e.name not in (name, name.split(".")[0]):
             raise  # a package that module needs: its own message is the right one
-        path = name.replace(".", "/") + ".py"
-        fail(f"{path} is missing: copy this project's {path} next to common.py as {path} (README: copying "
-             f"one file)")
+        fail(missing_file(name))
 
 
 def check_rewards(names, models: RewardModels):

@@ -901,7 +901,8 @@ def fill_text_cache(pipe, kind: str, prompts: list[str], *, directory: str, devi
 
 
 def read_text_cache(directory: str, prompts: list[str], *, masked: list, negative: dict, length: int) -> dict:
-    """encode_prompts' embeddings of `prompts` from the files fill_text_cache wrote (bitwise the same)."""
+    """encode_prompts' embeddings of `prompts` from the files fill_text_cache wrote (bitwise those of the
+    batches that filled it; Qwen-Image's differ from another batching's by ~1e-7: docs/models.md)."""
     from safetensors.torch import load_file
 
     from models import padded

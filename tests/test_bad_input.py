@@ -400,7 +400,7 @@ def test_copying_one_file_as_the_readme_says(tmp_path):
     rundir.py and models.py train the toy pipeline (given by its path: its toy_world.json gives it the TOY preset) on --rewards
     jpeg; the toy rewards need toy/world.py, a one-line error until it is copied, then they train; the learned
     rewards name rewards.py; --model toy names the toy model's place. The summary counts in seconds below a
-    minute; without rundir.py or models.py the file does not start."""
+    minute; without rundir.py or models.py one line names the file, without common.py Python's own message."""
     import shutil
     import subprocess
     import sys
@@ -439,10 +439,15 @@ def test_copying_one_file_as_the_readme_says(tmp_path):
     assert learned.stderr.strip().splitlines()[-1].startswith("error: rewards.py is missing: copy this project's "
                                                               "rewards.py next to common.py"), learned.stderr[-500:]
     alias = run("--model", "toy", *small)
-    os.remove(project / "rundir.py")
-    assert "No module named 'rundir'" in run("--model", toy_model, *small).stderr
-    os.remove(project / "models.py")
-    assert "No module named 'models'" in run("--model", toy_model, *small).stderr
+    for name in ("rundir.py", "models.py"):  # one line naming the file, rundir's after common's import too
+        os.remove(project / name)
+        lacking = run("--model", toy_model, *small)
+        assert lacking.returncode == 1 and lacking.stderr.strip() == (
+            f"error: {name} is missing: copy this project's {name} next to common.py as {name} (README: copying "
+            f"one file)"), lacking.stderr[-2000:]
+    os.remove(project / "common.py")  # Python's own message (README)
+    assert run("--model", toy_model, *small).stderr.strip().splitlines()[-1] == (
+        "ModuleNotFoundError: No module named 'common'")
     assert alias.stderr.strip().splitlines()[-1].startswith(f"error: the toy model is not at "
                                                             f"'{project / 'toy' / 'flux-shapes'}': copy"), alias.stderr
 
