@@ -50,15 +50,18 @@ def missing_file(module: str) -> str:
 SIBLINGS = ("models", "rundir", "rewards", "toy.world", "toy.proxy")  # this project's modules a copy may lack
 
 
-def _one_line_for_a_missing_sibling(kind, value, tb, *, hook=sys.excepthook):
-    """An algorithm file copied without rundir.py (imported after this module): one line naming the file."""
+def _one_line_errors(kind, value, tb, *, hook=sys.excepthook):
+    """An algorithm file copied without rundir.py (imported after this module): one line naming the file; a
+    Ctrl-C before a run catches it (rundir.catch_signals): one line, no traceback (exit code 130)."""
     if issubclass(kind, ModuleNotFoundError) and value.name in SIBLINGS:
         print(f"error: {missing_file(value.name)}", file=sys.stderr)
+    elif issubclass(kind, KeyboardInterrupt):
+        print("\nstopped by SIGINT", file=sys.stderr)
     else:
         hook(kind, value, tb)
 
 
-sys.excepthook = _one_line_for_a_missing_sibling
+sys.excepthook = _one_line_errors
 try:
     from models import FAMILIES, family_of
     from models import blocks as family_blocks
@@ -710,18 +713,61 @@ TOY_WORLD = dict(  # the part of every file's TOY preset that describes the toy 
     eval_num=256, save_every=20, log_images_every=20)
 
 
+def flag_values(argv: list, flag: str) -> list:
+    """The values given to `flag` on a command line, as `--flag value` or `--flag=value`."""
+    return [b for a, b in zip(argv, argv[1:]) if a == flag] + [a[len(flag) + 1:] for a in argv
+                                                              if a.startswith(flag + "=")]
+
+
+def checkpoint_arguments(path: str) -> dict | None:
+    """The arguments run.json records in the newest checkpoint of a run directory (or of a checkpoint
+    directory), or None where there is none that reads (rundir.resume_checkpoint then says why)."""
+    root = os.path.join(path, "checkpoints")
+    names = [n for n in (os.listdir(root) if os.path.isdir(root) else []) if not n.endswith(".tmp")
+             and n.startswith("iter_") and n[len("iter_"):].isdigit()]
+    newest = os.path.join(root, max(names, key=lambda n: int(n[len("iter_"):]))) if names else path
+    try:
+        with open(os.path.join(newest, "run.json"), encoding="utf-8") as f:
+            saved = json.loads(f.read(1 << 20))
+    except (OSError, ValueError, RecursionError):
+        return None
+    return saved.get("args") if isinstance(saved, dict) and isinstance(saved.get("args"), dict) else None
+
+
+def arguments_from(args_class, saved: dict):
+    """An Args of `args_class` holding the values of a checkpoint's run.json (tuples from its lists, the
+    reward models' fields, secrets left out: <hidden> in the file); fields it lacks keep their defaults."""
+    base, values = args_class(), {}
+    for f in dataclasses.fields(args_class):
+        if f.name not in saved or f.name == "resume":
+            continue
+        default, value = getattr(base, f.name), saved[f.name]
+        if dataclasses.is_dataclass(default) and isinstance(value, dict):
+            known = {g.name for g in dataclasses.fields(default)}
+            value = dataclasses.replace(default, **{k: v for k, v in value.items()
+                                                    if k in known and k not in SECRETS})
+        elif isinstance(default, tuple) and isinstance(value, list):
+            value = tuple(value)
+        values[f.name] = value
+    return dataclasses.replace(base, **values)
+
+
 def parse_args(args_class, *, toy: dict, description: str):
-    """The command line parsed by tyro. With --model toy the TOY preset gives the defaults, so flags passed
-    explicitly still win and --help shows the preset's values; `--help | head` exits quietly."""
+    """The command line parsed by tyro. With --model toy the TOY preset gives the defaults, and with --resume
+    DIR the arguments its checkpoint recorded, so flags passed explicitly still win (rundir.resume_checkpoint
+    says which) and --help shows those defaults; `--help | head` exits quietly."""
     import tyro
     argv = sys.argv[1:]
-    given = [b for a, b in zip(argv, argv[1:]) if a == "--model"]
-    given += [a[len("--model="):] for a in argv if a.startswith("--model=")]
+    given, resume = flag_values(argv, "--model"), flag_values(argv, "--resume")
     # the toy pipeline, by its alias or by its toy_world.json wherever it was copied (toy/make_toy.py)
     marker = bool(given) and os.path.isfile(os.path.join(given[-1], "toy_world.json"))
     wants_toy = bool(given) and (given[-1] == "toy" or marker)
+    saved = checkpoint_arguments(resume[-1]) if resume else None
     default = dataclasses.replace(args_class(), **toy) if wants_toy else args_class()
-    if wants_toy:
+    if saved is not None:
+        default = arguments_from(args_class, saved)
+        description += " (--resume: the defaults below are the arguments its checkpoint recorded)"
+    elif wants_toy:
         description += " (--model toy: the defaults below are the file's TOY preset)"
     try:
         args = tyro.cli(args_class, default=default, description=description)
@@ -750,6 +796,7 @@ ARG_RANGES = {
     "max_grad_norm": "> 0", "updates_per_iteration": ">= 1", "ema_decay": "[0, 1)", "ema_every": ">= 1",
     "num_iterations": ">= 1", "eval_every": ">= 0", "eval_num": ">= 1", "save_every": ">= 0",
     "keep_checkpoints": ">= 0", "log_images_every": ">= 0", "reward_timeout": "> 0", "reward_retries": ">= 0",
+    "threads": ">= 1",
     # algorithm specific: CoCA, DenseGRPO, G2RPO, MixGRPO, DiffusionNFT, AWM
     "coca_window": ">= 1", "coca_alpha": "[0, 1]", "dense_ode_steps": ">= 1", "eps1": "> 0", "eps2": "> 0",
     "psi_range": "[0, 10]", "sde_steps": ">= 0", "lambdas": ">= 1", "window_size": ">= 1",

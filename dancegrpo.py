@@ -28,6 +28,8 @@ class Args:
     """seed of the experiment (prompts, noise and model initialisation)"""
     torch_deterministic: bool = True
     """sets `torch.backends.cudnn.deterministic`"""
+    threads: int | None = None
+    """torch threads per process on a CPU (none: $OMP_NUM_THREADS, else one per core that is not busy)"""
     track: bool = False
     """also log to Weights and Biases (syncs the TensorBoard logs)"""
     wandb_project: str = "flow-rl"

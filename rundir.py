@@ -61,69 +61,137 @@ def start_run(args, *, script: str, check_args, planned_nfe, reference: bool, co
     is logged as perf/nfe_min_per_prompt."""
     rank, world, device = setup_distributed()
     check_args(args, world)
+    choose_threads(device, requested=args.threads)
+    catch_signals()  # Ctrl-C (SIGINT) and SIGTERM: at once until the first iteration, then after an iteration
     ckpt, start = None, 0
     if args.resume:
         ckpt, start = resume_checkpoint(args.resume, args=args, world=world, script=os.path.basename(script))
     # the prompts before the run directory: a missing prompt file leaves nothing behind
     train_prompts = load_prompt_set(args.prompts, split="train", rewards=args.rewards)
     eval_prompts = load_prompt_set(args.eval_prompts, split="test", rewards=args.rewards + args.eval_rewards)
-    run_dir = run_directory(args, checkpoint=ckpt)
-    with stop_on_write_error(run_dir):
-        writer = make_writer(run_dir, args, resume_iteration=start if ckpt else None) if rank == 0 else None
-    seed_everything(args.seed, deterministic=args.torch_deterministic)
-    warn_if_the_cpu_is_shared(device)
-    use_bf16 = args.mixed_precision == "bf16" and device.type == "cuda"
-    compute_dtype = torch.bfloat16 if use_bf16 else torch.float32
-    # the rewards first: a reward file that cannot be read fails before the large model loads
-    say(f"loading the rewards ({', '.join(dict.fromkeys(args.rewards + args.eval_rewards))}) and the model "
-        f"{args.model}")
-    eval_fns = load_rewards(args.rewards + args.eval_rewards, device, models=args.reward_models,
-                            dtype=compute_dtype)
-    sharded = args.full_finetune and world > 1  # FSDP2; LoRA runs average their gradients (DDP style)
-    # on the CPU first: for the text cache's encoders, and for FSDP2, which moves each block's shards to the
-    # GPU as it shards it (the whole model, and a reference copy, never sit on one GPU)
-    on_cpu = bool(args.text_cache) or sharded
-    pipe, kind = load_pipeline(args.model, "cpu" if on_cpu else device, dtype=compute_dtype)
-    check_guidance(pipe, kind, args.guidance)
-    if args.text_cache:  # each prompt encoded once, the text encoders alone on the device; then none is kept
-        fill_text_cache(pipe, kind, train_prompts + eval_prompts[:args.eval_num], directory=args.text_cache,
-                        device=device, max_sequence_length=args.max_sequence_length, cfg=args.guidance)
-    shape = latent_shape(pipe, kind, args.resolution)
-    lora = None if args.full_finetune else (args.lora_rank, args.lora_alpha)
-    params, ref_model = make_trainable(pipe.transformer, kind, lora=lora, reference=reference,
-                                       sharded=sharded, compute_dtype=compute_dtype,
-                                       checkpointing=args.gradient_checkpointing)
-    if on_cpu:  # the rest of what load_pipeline left on the CPU (the parameters stay the same objects)
-        for module in [pipe.vae] + ([] if sharded else [pipe.transformer]):
-            module.to(device)
-    optimizer = torch.optim.AdamW(params.values(), lr=args.learning_rate, betas=(0.9, 0.999),
-                                  weight_decay=args.weight_decay, eps=1e-8)
-    ema = [p.detach().float().clone() for p in params.values()] if args.ema else None
-    copies = {name: [p.detach().clone() for p in params.values()] for name in copies}
-    # bf16 autocast only for unsharded full fine-tuning: LoRA and FSDP2 already compute in bf16
-    use_autocast = use_bf16 and args.full_finetune and not sharded
-    amp = torch.autocast(device.type, dtype=compute_dtype, enabled=use_autocast, cache_enabled=False)
-    weights = dict(zip(args.rewards, args.reward_weights or [1.0] * len(args.rewards)))
-    run = Run(args=args, rank=rank, world=world, device=device, sharded=sharded, run_dir=run_dir,
-              writer=writer, pipe=pipe, kind=kind, transformer=pipe.transformer, params=params,
-              optimizer=optimizer, ema=ema, ref_model=ref_model, copies=copies, amp=amp, shape=shape,
-              weights=weights, reward_fns={k: eval_fns[k] for k in args.rewards}, eval_fns=eval_fns,
-              train_prompts=train_prompts, eval_prompts=eval_prompts, start=start,
-              planned_rollout=planned_nfe(args)["rollout"])
-    if ckpt:
-        say(f"resuming {ckpt}")
-        load_state(ckpt, run=run)
-    return run
+    run_dir, writer = run_directory(args, checkpoint=ckpt), None
+    STOP["run_dir"] = run_dir
+    try:  # a failed start of a new run leaves no run directory behind (discard_new_run)
+        with stop_on_write_error(run_dir):
+            writer = make_writer(run_dir, args, resume_iteration=start if ckpt else None) if rank == 0 \
+                else None
+        seed_everything(args.seed, deterministic=args.torch_deterministic)
+        use_bf16 = args.mixed_precision == "bf16" and device.type == "cuda"
+        compute_dtype = torch.bfloat16 if use_bf16 else torch.float32
+        # the rewards first: a reward file that cannot be read fails before the large model loads
+        say(f"loading the rewards ({', '.join(dict.fromkeys(args.rewards + args.eval_rewards))}) and the "
+            f"model {args.model}")
+        eval_fns = load_rewards(args.rewards + args.eval_rewards, device, models=args.reward_models,
+                                dtype=compute_dtype)
+        sharded = args.full_finetune and world > 1  # FSDP2; LoRA runs average their gradients (DDP style)
+        # on the CPU first: for the text cache's encoders, and for FSDP2, which moves each block's shards to
+        # the GPU as it shards it (the whole model, and a reference copy, never sit on one GPU)
+        on_cpu = bool(args.text_cache) or sharded
+        pipe, kind = load_pipeline(args.model, "cpu" if on_cpu else device, dtype=compute_dtype)
+        check_guidance(pipe, kind, args.guidance)
+        if args.text_cache:  # each prompt encoded once, the text encoders alone on the device, then dropped
+            fill_text_cache(pipe, kind, train_prompts + eval_prompts[:args.eval_num],
+                            directory=args.text_cache, device=device,
+                            max_sequence_length=args.max_sequence_length, cfg=args.guidance)
+        shape = latent_shape(pipe, kind, args.resolution)
+        lora = None if args.full_finetune else (args.lora_rank, args.lora_alpha)
+        params, ref_model = make_trainable(pipe.transformer, kind, lora=lora, reference=reference,
+                                           sharded=sharded, compute_dtype=compute_dtype,
+                                           checkpointing=args.gradient_checkpointing)
+        if on_cpu:  # the rest of what load_pipeline left on the CPU (the parameters stay the same objects)
+            for module in [pipe.vae] + ([] if sharded else [pipe.transformer]):
+                module.to(device)
+        optimizer = torch.optim.AdamW(params.values(), lr=args.learning_rate, betas=(0.9, 0.999),
+                                      weight_decay=args.weight_decay, eps=1e-8)
+        ema = [p.detach().float().clone() for p in params.values()] if args.ema else None
+        copies = {name: [p.detach().clone() for p in params.values()] for name in copies}
+        # bf16 autocast only for unsharded full fine-tuning: LoRA and FSDP2 already compute in bf16
+        use_autocast = use_bf16 and args.full_finetune and not sharded
+        amp = torch.autocast(device.type, dtype=compute_dtype, enabled=use_autocast, cache_enabled=False)
+        weights = dict(zip(args.rewards, args.reward_weights or [1.0] * len(args.rewards)))
+        run = Run(args=args, rank=rank, world=world, device=device, sharded=sharded, run_dir=run_dir,
+                  writer=writer, pipe=pipe, kind=kind, transformer=pipe.transformer, params=params,
+                  optimizer=optimizer, ema=ema, ref_model=ref_model, copies=copies, amp=amp, shape=shape,
+                  weights=weights, reward_fns={k: eval_fns[k] for k in args.rewards}, eval_fns=eval_fns,
+                  train_prompts=train_prompts, eval_prompts=eval_prompts, start=start,
+                  planned_rollout=planned_nfe(args)["rollout"], script=os.path.basename(script))
+        if ckpt:
+            say(f"resuming {ckpt}")
+            load_state(ckpt, run=run)
+        return run
+    except BaseException:
+        discard_new_run(run_dir, writer=writer, resumed=ckpt is not None)
+        raise
 
 
-def warn_if_the_cpu_is_shared(device):
-    """On a CPU, a line when other work keeps the cores busy: torch's threads then wait on each other."""
-    threads, cores = torch.get_num_threads(), os.cpu_count() or 1
+def choose_threads(device, *, requested: int | None):
+    """On a CPU, torch's threads per process: --threads, else $OMP_NUM_THREADS (torchrun sets 1), else one per
+    core that other work leaves free (the 1-minute load average), at least 1, said in one line when fewer than
+    the cores: threads that wait on a busy core cost up to 10x the CPU time (docs/contributing.md)."""
+    if device.type != "cpu":
+        return
+    if requested:
+        torch.set_num_threads(requested)
+        return
+    if os.environ.get("OMP_NUM_THREADS"):
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
-    if device.type == "cpu" and threads > 1 and load > cores - 0.5:
-        say(f"note: the CPU is busy (load {load:.1f} on {cores} cores); {threads} torch threads per process "
-            f"then wait on each other (measured: up to 10x the CPU time). On a shared machine run with "
-            f"OMP_NUM_THREADS=1")
+    free = max(1, min(torch.get_num_threads(), int(cores - load + 0.5)))
+    if free < torch.get_num_threads():
+        torch.set_num_threads(free)
+        say(f"the CPU is busy (load {load:.1f} on {cores} cores): {free} torch thread{'s' * (free > 1)} per "
+            f"process (--threads N or OMP_NUM_THREADS=N to choose)")
+
+
+STOP = {"signal": None, "iterating": False, "run_dir": None, "bar": None, "handlers": {}}  # catch_signals
+
+
+def catch_signals():
+    """SIGINT (Ctrl-C) and SIGTERM: before the first iteration the run stops at once (a new run's directory
+    removed); during an iteration it finishes the iteration, saves it and stops (Run.iterations); a second
+    signal stops at once, the last complete checkpoint intact. Main thread only (a no-op elsewhere)."""
+    import signal
+    import threading
+    if threading.current_thread() is not threading.main_thread():
+        return
+    STOP.update(signal=None, iterating=False, run_dir=None, bar=None)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        STOP["handlers"].setdefault(sig, signal.getsignal(sig))
+        signal.signal(sig, on_signal)
+
+
+def on_signal(signum, frame):
+    import signal
+    name = signal.Signals(signum).name
+    if STOP["iterating"] and STOP["signal"] is None:
+        STOP["signal"] = signum
+        say(f"{name}: the run stops when this iteration is done and saved ({name} again: at once, losing it)")
+        return
+    if STOP.get("bar") is not None:  # its last state printed now, not after this line
+        STOP.pop("bar").close()
+    ckpt = latest_checkpoint(STOP["run_dir"]) if STOP["run_dir"] and os.path.isdir(STOP["run_dir"]) else None
+    kept = f"; its checkpoint {ckpt} resumes (--resume {STOP['run_dir']})" if ckpt else ""
+    print(f"\nstopped by {name}{' again' * (STOP['signal'] is not None)}{kept}", file=sys.stderr, flush=True)
+    raise SystemExit(128 + signum)
+
+
+def restore_signals():
+    """The handlers catch_signals replaced, back in place (the end of a run, in a process that goes on)."""
+    import signal
+    while STOP["handlers"]:
+        signal.signal(*STOP["handlers"].popitem())
+
+
+def discard_new_run(run_dir: str, *, writer, resumed: bool):
+    """A new run that stopped before its first iteration: its directory (logs, a lock) removed by rank 0."""
+    if resumed or not is_main_rank():
+        return
+    if writer is not None:
+        with contextlib.suppress(Exception):
+            writer.close()
+    release_run_directories()
+    shutil.rmtree(run_dir, ignore_errors=True)
 
 
 @dataclasses.dataclass
@@ -153,6 +221,7 @@ class Run:
     eval_prompts: list
     start: int  # the first iteration to run (a resumed run: the checkpoint's)
     planned_rollout: float  # the closed-form rollout NFE per prompt (perf/nfe_min_per_prompt)
+    script: str = ""  # the algorithm file's name (a checkpoint resumes with it only)
     last_eval: tuple | None = None  # (iteration, the training reward on the held-out pairs)
     pbar: object = None  # the training progress bar (iterations)
     t0: float = dataclasses.field(default_factory=time.time)
@@ -169,15 +238,40 @@ class Run:
         evaluation (iteration 0). The bar's rate and ETA count training only, not evaluations or saving."""
         args = self.args
         if self.start == 0 and args.eval_every and args.eval_base and evaluate_base:
-            self.last_eval = self.evaluate(0, what="the base model")
+            try:
+                self.last_eval = self.evaluate(0, what="the base model")
+            except BaseException:  # nothing to resume yet: a new run leaves no directory
+                discard_new_run(self.run_dir, writer=self.writer, resumed=False)
+                raise
         say(f"training: iterations {self.start + 1} to {args.num_iterations} "
-            f"({args.prompts_per_iteration} prompts x {args.group_size} images each)")
+            f"({args.prompts_per_iteration} prompts x {args.group_size} images each; Ctrl-C stops after an "
+            f"iteration, saved)")
         bar = "{n_fmt}/{total_fmt} iterations |{bar}| {elapsed}<{remaining}, {rate_fmt}{postfix}"
         self.pbar = progress_bar(iterable=range(self.start, args.num_iterations), initial=self.start,
                                  total=args.num_iterations, bar_format=bar, unit="it")
+        STOP["bar"] = self.pbar
         for iteration in self.pbar:
             self.t_start, self.cpu_start, self.nfe_start = time.time(), time.process_time(), NFE["count"]
+            STOP["iterating"] = True  # a signal from now on waits for the iteration's end (catch_signals)
             yield iteration
+            signum = int(max_over_ranks(float(STOP["signal"] or 0)))  # every rank stops at the same one
+            if signum and iteration + 1 < args.num_iterations:
+                self.stop(iteration + 1, signum)
+
+    def stop(self, iteration: int, signum: int):
+        """The end of a run stopped by a signal after `iteration`: its checkpoint (unless one was just saved),
+        the logs closed, one line with the command that continues it, exit code 128 + signal."""
+        import signal
+        path = os.path.join(self.run_dir, "checkpoints", f"iter_{iteration}")
+        if not os.path.isdir(path):
+            self.save(iteration)
+        self.finish(summary=False)
+        launcher = f"torchrun --nproc_per_node {self.world}" if self.world > 1 else "python"
+        name, script = signal.Signals(signum).name, os.path.basename(sys.argv[0])
+        if self.rank == 0:
+            print(f"stopped by {name} after iteration {iteration} (checkpoint {path}); continue with: "
+                  f"{launcher} {script} --resume {self.run_dir}")
+        raise SystemExit(128 + signum)
 
     @contextlib.contextmanager
     def paused(self):
@@ -303,6 +397,7 @@ class Run:
 
     def finish(self, summary: bool = True):
         """The end of the run: the logs closed, what it did printed (run_summary), the process group ended."""
+        restore_signals()
         if self.rank == 0:
             if self.pbar is not None:
                 self.pbar.close()
@@ -521,7 +616,8 @@ FIXED_ON_RESUME = ("model", "full_finetune", "lora_rank", "lora_alpha", "ema")  
 def resume_checkpoint(path: str, *, args, world: int, script: str) -> tuple[str, int]:
     """The checkpoint to resume (chosen on rank 0: every rank reads the same one) and its iteration, checked
     before any model loads: same algorithm file, model, trainable weights, world size if sharded. Prints the
-    arguments that differ from the checkpoint's: the new values apply (e.g. --learning-rate)."""
+    arguments given on the command line that differ from the checkpoint's: the new values apply (e.g.
+    --learning-rate)."""
     ckpt = broadcast_object(latest_checkpoint(path) if is_main_rank() else None)
     if ckpt is None:
         fail(f"--resume {path!r} holds no checkpoint; pass a run directory with checkpoints/iter_*")
@@ -548,8 +644,9 @@ def resume_checkpoint(path: str, *, args, world: int, script: str) -> tuple[str,
              f"{saved['iteration']}")
     changed = [f"{k} {saved['args'].get(k)} -> {v}" for k, v in now.items()
                if k != "resume" and saved["args"].get(k) != v]
-    if changed and is_main_rank():
-        print("resuming with changed arguments: " + ", ".join(changed))
+    if is_main_rank():  # the checkpoint's arguments are the defaults (common.parse_args): the flags given win
+        given = f"; changed on the command line: {', '.join(changed)}" if changed else ""
+        print(f"resuming with the checkpoint's arguments{given}")
     return ckpt, saved["iteration"]
 
 
@@ -614,7 +711,7 @@ def save_state(path: str, *, iteration: int, run: Run, keep: int = 0):
                                              transformer_lora_adapter_metadata=adapter)
     barrier()
     if rank == 0:
-        run = {"iteration": iteration, "script": os.path.basename(sys.argv[0]), "world": world,
+        run = {"iteration": iteration, "script": run.script, "world": world,
                "sharded": sharded, "args": loggable(args)}
         with open(os.path.join(tmp, "run.json"), "w") as f:
             json.dump(run, f, indent=1)

@@ -148,6 +148,8 @@ def run_in_process(script, args, monkeypatch, wrap=None):
 
 
 def release_run_directories():
-    """The run directory locks a run in this process left held (a run that stopped before its end)."""
+    """The run directory locks a run in this process left held (a run that stopped before its end), and the
+    signal handlers it installed back to this process's."""
     if "rundir" in sys.modules:
         sys.modules["rundir"].release_run_directories()
+        sys.modules["rundir"].restore_signals()

@@ -173,10 +173,24 @@ def test_resume_applies_the_new_learning_rate_and_says_what_changed(tiny, tmp_pa
     run, _ = read_metrics(tmp_path)
     out = run_script("flow_grpo.py", tiny_flags(tiny["flux"], tiny["prompts"], tmp_path, num_iterations=2,
                                                 eval_every=0, resume=run, learning_rate=3e-5, weight_decay=0.01)).stdout
-    assert ("resuming with changed arguments: learning_rate 0.0003 -> 3e-05, weight_decay 0.0001 -> 0.01, "
-            "num_iterations 1 -> 2") in out
+    assert ("resuming with the checkpoint's arguments; changed on the command line: learning_rate 0.0003 -> 3e-05, "
+            "weight_decay 0.0001 -> 0.01, num_iterations 1 -> 2") in out
     groups = torch.load(os.path.join(run, "checkpoints", "iter_2", "state.pt"), weights_only=True)["optimizer"]
     assert [(g["lr"], g["weight_decay"]) for g in groups["param_groups"]] == [(3e-5, 0.01)]
+
+
+def test_resume_alone_takes_the_checkpoints_arguments(tiny, tmp_path):
+    """--resume DIR with no other flag but the new total continues with what the checkpoint recorded (the tiny
+    model, its prompts, 32 px, 4 steps, LoRA r4, ...), not the file's SD3.5-M defaults; it says what changed."""
+    import json
+    run_script("flow_grpo.py", tiny_flags(tiny["flux"], tiny["prompts"], tmp_path, num_iterations=1, eval_every=0,
+                                          learning_rate=1e-3))
+    run, _ = read_metrics(tmp_path)
+    out = run_script("flow_grpo.py", ["--resume", run, "--num-iterations", "2"]).stdout
+    assert "resuming with the checkpoint's arguments; changed on the command line: num_iterations 1 -> 2\n" in out
+    saved = [json.load(open(os.path.join(run, "checkpoints", f"iter_{i}", "run.json")))["args"] for i in (1, 2)]
+    assert {k for k in saved[0] if saved[0][k] != saved[1][k]} == {"num_iterations", "resume"}
+    assert saved[1]["model"] == tiny["flux"] and saved[1]["learning_rate"] == 1e-3
 
 
 @pytest.mark.slow

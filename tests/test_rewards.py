@@ -401,27 +401,36 @@ def test_rewards_is_a_leaf_that_imports_nothing_of_the_project(tmp_path):
                                                             "pass an existing path or a hub id"), proc.stderr
 
 
-def test_a_reward_of_your_own_trains_as_the_docs_say(tiny, tmp_path, monkeypatch):
-    """docs/rewards.md "Adding your own reward", literally: a launcher registers `brightness` in
-    common.REWARD_FUNCTIONS and runs flow_grpo.py; the run trains on it (its batch mean logged), evaluates with it
-    (every pair's score, the mean brightness of its image), and an unknown name lists it among the allowed ones."""
+@pytest.mark.slow
+def test_a_reward_of_your_own_trains_as_the_docs_say(tiny, tmp_path):
+    """docs/rewards.md "Adding your own reward", literally, from another directory: a launcher registers
+    `brightness` in common.REWARD_FUNCTIONS and runs flow_grpo.py; the run trains on it (its batch mean logged),
+    evaluates with it (every pair's score, the mean brightness of its image), resumes through the launcher, and an
+    unknown name lists it among the allowed ones."""
     import re
+    import subprocess
+    import sys
 
-    import common
-    from helpers import read_metrics, run_here, tiny_flags
+    from helpers import read_metrics, tiny_flags
 
     with open(os.path.join(ROOT, "docs", "rewards.md")) as f:
         launcher = re.search(r"```python\n(# my_train.py.*?)```", f.read(), flags=re.S).group(1)
     (tmp_path / "my_train.py").write_text(launcher)
-    monkeypatch.setattr(common, "REWARD_FUNCTIONS", dict(common.REWARD_FUNCTIONS))  # the launcher adds to a copy
     flags = tiny_flags(tiny["flux"], tiny["prompts"], tmp_path / "out", num_iterations=1, eval_every=1,
                        rewards="brightness", eval_rewards="brightness")
-    proc = run_here(str(tmp_path / "my_train.py"), flags)
+    env = dict(os.environ, FLOW_RL=ROOT, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+
+    def run(*args):
+        return subprocess.run([sys.executable, "my_train.py", *args], cwd=tmp_path, env=env, capture_output=True,
+                              text=True, timeout=600)
+    proc = run(*flags)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    run, m = read_metrics(tmp_path / "out")
+    run_dir, m = read_metrics(tmp_path / "out")
     assert 0 < m[1]["reward/brightness_mean"] < 1 and "eval/brightness" in m[1]
-    pairs = json.load(open(os.path.join(run, "eval_1.json")))["brightness"]
+    pairs = json.load(open(os.path.join(run_dir, "eval_1.json")))["brightness"]
     assert len(pairs) == 4 and all(0 < p < 1 for p in pairs)
-    unknown = run_here(str(tmp_path / "my_train.py"), flags[:-2] + ["--eval-rewards", "brightnes"])
+    resumed = run("--resume", run_dir, "--num-iterations", "2", "--eval-every", "0")
+    assert resumed.returncode == 0 and "2 iterations in" in resumed.stdout, resumed.stderr[-2000:]
+    unknown = run(*flags[:-2], "--eval-rewards", "brightnes")
     assert unknown.returncode == 1 and "error: unknown reward 'brightnes'; choose from [" in unknown.stderr
     assert "'brightness'" in unknown.stderr.splitlines()[-1]
