@@ -15,12 +15,16 @@ import glob
 import json
 import math
 import os
-import random
 import shutil
 import signal
 import subprocess
 import sys
 import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import stats as st  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VERSION = 2  # bumped whenever a change alters what the toy runs compute (2: after the fidelity fixes)
@@ -337,8 +341,9 @@ def cpu_of(run, row, units) -> float:
 
 
 def curves(run, units=None):
-    """Per evaluation: iteration, cumulative NFE, cumulative seconds, cumulative CPU time (cpu_of), and the mean
-    of every metric (train = mean of the two training rewards, whatever the run trained on)."""
+    """Per evaluation: iteration, cumulative NFE, cumulative seconds, cumulative CPU time (cpu_of), the mean of every
+    metric (train = mean of the two training rewards, whatever the run trained on) and, under "pairs", every
+    metric's score on each evaluation pair."""
     nfe, sec, cpu, cum = 0.0, 0.0, 0.0, {0: (0.0, 0.0, 0.0)}
     for r in run["metrics"]:
         nfe, sec = nfe + r.get("perf/nfe_per_iteration", 0), sec + r.get("perf/seconds_per_iteration", 0)
@@ -346,18 +351,21 @@ def curves(run, units=None):
         cum[r["iteration"]] = (nfe, sec, cpu)
     out = []
     for i, e in sorted(((int(k), v) for k, v in run["evals"].items())):
-        m = {k: sum(v) / len(v) for k, v in e.items()}
-        m["train"] = (m[A] + m[B]) / 2
-        out.append({"iteration": i, "nfe": cum[i][0], "seconds": cum[i][1], "cpu": cum[i][2], **m})
+        pairs = {k: np.asarray(v, dtype=np.float64) for k, v in e.items()}
+        pairs["train"] = (pairs[A] + pairs[B]) / 2
+        m = {k: float(v.mean()) for k, v in pairs.items()}
+        out.append({"iteration": i, "nfe": cum[i][0], "seconds": cum[i][1], "cpu": cum[i][2], **m, "pairs": pairs})
     return out
 
 
 def at(curve, key, value, metric):
-    """metric at curve[key] == value, linear between the two evaluations around it (None if out of range)."""
+    """metric at curve[key] == value, linear between the two evaluations around it (None if out of range); metric
+    "pairs/<name>": every pair's score."""
+    get = (lambda p: p["pairs"][metric[6:]]) if metric.startswith("pairs/") else (lambda p: p[metric])  # noqa: E731
     for p, q in zip(curve, curve[1:]):
         if p[key] <= value <= q[key]:
             w = (value - p[key]) / (q[key] - p[key]) if q[key] > p[key] else 1.0
-            return p[metric] + w * (q[metric] - p[metric])
+            return get(p) + w * (get(q) - get(p))
     return None
 
 
@@ -370,13 +378,6 @@ def stats(xs):
     return m, sd, len(xs)
 
 
-def cell(xs, base):
-    """'mean +- std over seeds (change from the base model +- its standard error over seeds)'."""
-    m, sd, _ = stats(xs)
-    d, dsd, n = stats([x - b for x, b in zip(xs, base) if x is not None])
-    return f"{m:.4f} +- {sd:.4f} ({d:+.4f} +- {dsd / math.sqrt(n) if n > 1 else float('nan'):.4f})"
-
-
 def closed_form(run):
     """Closed-form minimum rollout NFE per prompt: logged by G2RPO and DenseGRPO; G T for Flow-GRPO."""
     rows = [r for r in run["metrics"] if "perf/nfe_min_per_prompt" in r]
@@ -387,35 +388,43 @@ def closed_form(run):
     return value("--group-size", 12) * value("--num-steps", 16)  # the TOY preset's G and T unless overridden
 
 
-def change(xs, pick, metric):
-    """'+0.0123 +- 0.0045': the change from the base model, mean +- standard error over seeds."""
-    m, sd, n = stats([pick(x, metric) - x[0][metric] for x in xs if pick(x, metric) is not None])
-    return f"{m:+.4f} +- {sd / math.sqrt(n):.4f}" if n > 1 else f"{m:+.4f}"
+def pair_gains(xs, key, value, metric) -> np.ndarray:
+    """[runs, pairs]: each run's change of every pair from its iteration 0 at curve[key] == value (linear between
+    evaluations; key None: its last evaluation); runs that end before it are left out."""
+    rows = [(x[-1]["pairs"][metric] if key is None else at(x, key, value, "pairs/" + metric), x[0]["pairs"][metric])
+            for x in xs]
+    return np.array([v - base for v, base in rows if v is not None])
 
 
-def gains(xs, key, value, metric):
-    """Each run's change from its base model (iteration 0) at curve[key] == value; runs that end before it are left
-    out."""
-    picked = [(at(x, key, value, metric), x[0][metric]) for x in xs]
-    return [v - base for v, base in picked if v is not None]
+def mean_change(xs, key, value, metric, *, config):
+    """(the mean change over seeds and pairs, its resamples (results/stats.py), the number of seeds)."""
+    d = pair_gains(xs, key, value, metric)
+    if len(d) == 0:
+        return float("nan"), np.full(st.RESAMPLES, np.nan), 0
+    return float(d.mean()), st.over_seeds(st.on_pairs(d), config), len(d)
+
+
+def change(xs, key, value, metric, *, config, absolute=False):
+    """'+0.0123 [+0.0045, +0.0201]': the change from the base model (absolute: the mean itself), mean over seeds and
+    pairs, and its interval (results/stats.py; with one seed: no interval)."""
+    if absolute:
+        rows = [x[-1]["pairs"][metric] if key is None else at(x, key, value, "pairs/" + metric) for x in xs]
+        d = np.array([v for v in rows if v is not None])
+        m, draws, n = float(d.mean()), st.over_seeds(st.on_pairs(d), config), len(d)
+    else:
+        m, draws, n = mean_change(xs, key, value, metric, config=config)
+    if n < 2:
+        return f"{m:{'' if absolute else '+'}.4f}"
+    return st.fmt(m, *st.interval(draws, seeds=n), sign="" if absolute else "+")
 
 
 def difference(cv, a, b, key, value, metric):
-    """(mean gain of a - mean gain of b, its standard error sqrt(SE_a^2 + SE_b^2), b's mean gain)."""
-    (ma, sa, na), (mb, sb, nb) = stats(gains(cv[a], key, value, metric)), stats(gains(cv[b], key, value, metric))
-    se = math.hypot(sa / math.sqrt(na), sb / math.sqrt(nb)) if na > 1 and nb > 1 else float("nan")
-    return ma - mb, se, mb
-
-
-def judge(d, se, kind, ref):
-    """better: supported at d >= 2 SE, not supported at d <= -2 SE; comparable: supported when |d| + 2 SE is within
-    MARGIN |ref|, not supported when |d| - 2 SE is beyond it; unresolved otherwise."""
-    if not se > 0:
-        return "unresolved"
-    if kind == "better":
-        return "supported" if d >= 2 * se else "not supported" if d <= -2 * se else "unresolved"
-    margin = MARGIN * abs(ref)
-    return "supported" if abs(d) + 2 * se <= margin else "not supported" if abs(d) - 2 * se > margin else "unresolved"
+    """(mean change of a - mean change of b, the interval of the difference (NaN with one seed a side), b's mean
+    change): the same pairs' resample for both, each config's own seeds' resample."""
+    (ma, da, na), (mb, db, nb) = (mean_change(cv[c], key, value, metric, config=c) for c in (a, b))
+    if min(na, nb) < 2:
+        return ma - mb, float("nan"), float("nan"), mb
+    return (ma - mb, *st.interval(da - db, seeds=min(na, nb)), mb)
 
 
 def overall(verdicts, kind):
@@ -431,7 +440,8 @@ def overall(verdicts, kind):
 
 def claim_rows(cv, claims, keys=("iteration", "nfe")):
     """One row per claim (and one on the first FIRST_SEEDS seeds where a row has more): the difference of the
-    gains at equal iterations and at equal NFE (or `keys`: the last point both configs reach), with the verdicts."""
+    changes at equal iterations and at equal NFE (or `keys`: the last point both configs reach), with its interval
+    and the verdicts (results/stats.py)."""
     names = {"iteration": "iterations", "nfe": "NFE", "cpu": "CPU (Flow-GRPO iterations)"}
     lines = [f"| claim (a vs b) | seeds (a, b) | {names[keys[0]]} | training reward | strict | verdict | "
              f"{names[keys[1]]} | training reward | strict | verdict |", "|---|---|---|---|---|---|---|---|---|---|"]
@@ -448,32 +458,33 @@ def claim_rows(cv, claims, keys=("iteration", "nfe")):
                 verdicts = []
                 cells.append(f"{value:,.1f}" if key == "cpu" else f"{value:,.0f}")
                 for metric in ("train", S):
-                    d, se, ref = difference(sub, a, b, key, value, metric)
-                    verdicts.append(judge(d, se, kind, ref))
-                    cell_text = f"{d:+.4f} +- {se:.4f}, {d / se:+.1f} SE" if se > 0 else f"{d:+.4f} (one seed: no SE)"
-                    cells.append(cell_text + (f" (margin {MARGIN * abs(ref):.4f})" if kind == "comparable" else ""))
+                    d, lo, hi, ref = difference(sub, a, b, key, value, metric)
+                    margin = MARGIN * abs(ref)
+                    verdicts.append(st.verdict(lo, hi, kind=kind, margin=margin))
+                    cell_text = st.fmt(d, lo, hi) if math.isfinite(lo) else f"{d:+.4f} (one seed: no interval)"
+                    cells.append(cell_text + (f" (margin {margin:.4f})" if kind == "comparable" else ""))
                 cells.append(f"**{overall(verdicts, kind)}**")
             lines.append("| " + " | ".join(cells) + " |")
     return lines
 
 
 def paper_table(cv, runs, title, rows, claims):
-    """A paper's table on the toy: each row's change from the base model +- SE over seeds at the table's equal
+    """A paper's table on the toy: each row's change from the base model with its interval at the table's equal
     iterations and equal NFE (the last point every row reaches), then its claims."""
     rows = {c: name for c, name in rows.items() if c in cv}
     if not rows:
         return []
     eq_iter = min(x[-1]["iteration"] for c in rows for x in cv[c])
     eq_nfe = min(x[-1]["nfe"] for c in rows for x in cv[c])
-    at_it, at_nfe = (lambda x, m: at(x, "iteration", eq_iter, m)), (lambda x, m: at(x, "nfe", eq_nfe, m))  # noqa: E731
     lines = [f"### {title}", "", f"| method | config | seeds | iterations | NFE per iteration | training reward, "
              f"{eq_iter} iterations | strict, {eq_iter} iterations | training reward, {eq_nfe:,.0f} NFE | strict, "
              f"{eq_nfe:,.0f} NFE |", "|---|---|---|---|---|---|---|---|---|"]
     for c, name in rows.items():
         nfe = stats([r["perf/nfe_per_iteration"] for run in runs[c] for r in run["metrics"] if "perf/nfe_per_iteration" in r])
+        cells = [change(cv[c], key, value, m, config=c) for key, value in (("iteration", eq_iter), ("nfe", eq_nfe))
+                 for m in ("train", S)]
         lines.append(f"| {name} | {c} | {len(cv[c])} | {cv[c][0][-1]['iteration']} | {nfe[0]:,.0f} | "
-                     f"{change(cv[c], at_it, 'train')} | {change(cv[c], at_it, S)} | {change(cv[c], at_nfe, 'train')} | "
-                     f"{change(cv[c], at_nfe, S)} |")
+                     + " | ".join(cells) + " |")
     return lines + ["", *claim_rows(cv, claims), ""]
 
 
@@ -491,76 +502,87 @@ EFFICIENCY = [  # the papers' efficiency claims: (what the paper finds, a, b, ki
     ("DGPO beats AWM", "dgpo", "awm", "better"),
     ("DGPO beats DiffusionNFT", "dgpo", "diffusion_nft", "better"),
     ("Flow-DPPO beats Flow-GRPO", "flow_dppo", "flow_grpo", "better")]
-BOOTSTRAP = 1000  # resamples of the seeds for the error bars of the NFE / CPU time to reach a reward
-MIN_SEEDS = 3  # a speed-up's verdict needs this many seeds on each side (2 seeds have only 3 distinct resamples)
 
 
-def mean_curve(runs, key):
-    """[(mean key, mean change of the training reward from the base model)] over the seeds, per evaluation."""
-    points = {}
-    for x in runs:
-        for p in x:
-            points.setdefault(p["iteration"], []).append((p[key], p["train"] - x[0]["train"]))
-    return [(sum(u for u, _ in ps) / len(ps), sum(g for _, g in ps) / len(ps)) for _, ps in sorted(points.items())
-            if len(ps) == len(runs)]
+def resampled_curve(runs, key, metric, *, config, absolute=False):
+    """The mean curve over seeds [(x, change)] per evaluation that every run has (absolute: the metric itself), and
+    its resamples (results/stats.py): (x [E], y [E], X [RESAMPLES, E], Y [RESAMPLES, E])."""
+    e = min(map(len, runs))
+    xv = np.array([[p[key] for p in x[:e]] for x in runs])
+    g = np.stack([[p["pairs"][metric] - (0 if absolute else x[0]["pairs"][metric]) for p in x[:e]] for x in runs])
+    draws = st.seed_draws(config, len(runs))
+    return xv.mean(0), g.mean((0, 2)), xv[draws].mean(1), st.over_seeds(np.moveaxis(st.on_pairs(g), 2, 1), config)
 
 
-def reach(curve, target):
-    """The first x at which a mean curve [(x, gain)] reaches `target` (linear between evaluations), or None."""
-    for (x0, g0), (x1, g1) in zip(curve, curve[1:]):
-        if g0 >= target:
-            return x0
-        if g1 >= target:
-            return x0 + (x1 - x0) * (target - g0) / (g1 - g0)
-    return curve[-1][0] if curve and curve[-1][1] >= target else None
+def value_at(X, Y, x):
+    """[R]: each mean curve (X[r], Y[r]) at x, linear between evaluations (NaN outside it, beyond a rounding error
+    of a mean of equal values)."""
+    out, xr = np.full(len(X), np.nan), np.clip(x, X[:, 0], X[:, -1])
+    xr = np.where(np.abs(xr - x) <= 1e-9 * max(abs(x), 1.0), xr, np.nan)
+    for e in range(1, X.shape[1]):
+        inside = np.isnan(out) & (X[:, e - 1] <= xr) & (xr <= X[:, e])
+        w = (xr[inside] - X[inside, e - 1]) / np.maximum(X[inside, e] - X[inside, e - 1], 1e-300)
+        out[inside] = Y[inside, e - 1] + w * (Y[inside, e] - Y[inside, e - 1])
+    return out
+
+
+def first_reach(X, Y, target):
+    """[R]: the first x at which each mean curve (X[r], Y[r]) reaches target[r], linear between evaluations (NaN
+    where it never does; 1e-12 of slack for a target read off the curve itself)."""
+    out, target = np.full(len(X), np.nan), np.asarray(target, dtype=np.float64) - 1e-12
+    for e in range(X.shape[1]):
+        hit = np.isnan(out) & (Y[:, e] >= target)
+        if e == 0:
+            out[hit] = X[hit, 0]
+            continue
+        y0, y1, x0, x1 = Y[hit, e - 1], Y[hit, e], X[hit, e - 1], X[hit, e]
+        out[hit] = x0 + (x1 - x0) * np.clip((target[hit] - y0) / np.maximum(y1 - y0, 1e-300), 0, 1)
+    return out
+
+
+def target_gain(runs, x, *, config):
+    """A config's change of the training reward at NFE x on its mean curve: (the value, its resamples)."""
+    xv, y, X, Y = resampled_curve(runs, "nfe", "train", config=config)
+    return float(value_at(xv[None], y[None], x)[0]), value_at(X, Y, x)
 
 
 def to_reach(runs, key, target, *, config):
-    """(x at which the mean over seeds reaches target, its bootstrap SE over seeds, the resamples' values with None
-    where a resample never reaches it). The resamples depend on the config and key only: the same on every
-    rebuild, whatever other rows exist, and the same in a row's cell and in its speed-ups."""
-    rng = random.Random(f"{config}/{key}")
-    boots = [reach(mean_curve([rng.choice(runs) for _ in runs], key), target) for _ in range(BOOTSTRAP)]
-    hit = [b for b in boots if b is not None]
-    return reach(mean_curve(runs, key), target), (stats(hit)[1] if len(hit) > 1 else float("nan")), boots
+    """(x at which the mean curve over seeds first reaches target = (value, resamples), None if it never does;
+    each resample's least and greatest possible x: where a resample's curve never reaches its target, the least is
+    its last evaluation and the greatest infinite)."""
+    xv, y, X, Y = resampled_curve(runs, key, "train", config=config)
+    v = first_reach(xv[None], y[None], [target[0]])[0]
+    V = first_reach(X, Y, target[1])
+    return (None if math.isnan(v) else float(v)), np.where(np.isnan(V), X[:, -1], V), np.where(np.isnan(V), np.inf, V)
 
 
-def reach_cell(value, se, boots, *, digits=0):
-    if value is None:
-        return "not reached"
-    missed = sum(b is None for b in boots) / len(boots)
-    return f"{value:,.{digits}f} +- {se:,.{digits}f}" + (f" ({missed:.0%} of resamples never reach it)" if missed else "")
+def reach_cell(value, least, most, *, seeds, digits=0):
+    lo, hi = st.interval(least, seeds=seeds, upper=most, log=True)
+    bound = "not reached" if math.isinf(hi) else f"{hi:,.{digits}f}"
+    return f"{'not reached' if value is None else f'{value:,.{digits}f}'} [{lo:,.{digits}f}, {bound}]"
 
 
 def speedup_rows(cv, claims, eq_nfe):
-    """a's speed-up on b: (b's NFE or CPU time to reach b's gain at equal NFE) / (a's), from the same resamples;
-    supported when the 2-SE interval lies above 1, not supported when below 1 (or a never reaches it within a run
-    that outlasts b's), else unresolved; unresolved with fewer than MIN_SEEDS seeds on either side (a verdict
-    that a never reaches b's gain too)."""
+    """a's speed-up on b: (b's NFE or CPU time to reach b's change at equal NFE) / (a's), with b's change, both
+    times and so the ratio recomputed on every resample; a resample in which a never reaches it counts between 0
+    and (b's time over a's last evaluation). Supported when the interval lies above 1, not supported when below."""
     lines = ["| claim (a vs b) | seeds (a, b) | NFE speed-up | verdict | CPU-time speed-up | verdict |",
              "|---|---|---|---|---|---|"]
     for text, a, b, _ in claims:
         if a not in cv or b not in cv:
             continue
-        target = stats(gains(cv[b], "nfe", eq_nfe, "train"))[0]
+        target = target_gain(cv[b], eq_nfe, config=b)
         cells = [f"{text.split(' (')[0]}: speed-up ({a} vs {b})", f"{len(cv[a])}, {len(cv[b])}"]
         for key in ("nfe", "cpu"):
-            va, _, ba = to_reach(cv[a], key, target, config=a)
-            vb, _, bb = to_reach(cv[b], key, target, config=b)
-            ratios = [y / x for x, y in zip(ba, bb) if x and y]
-            se = stats(ratios)[1] if len(ratios) > 1 else float("nan")
-            enough = min(len(cv[a]), len(cv[b])) >= MIN_SEEDS
-            if va is None or not vb:
-                outlasts = min(x[-1][key] for x in cv[a]) >= (vb or 0)
-                cells += ["a never reaches it" if va is None else "b's gain is reached at 0",
-                          "**not supported**" if va is None and outlasts and enough else "**unresolved**"]
-                continue
-            r = vb / max(va, 1e-9)
-            verdict = "supported" if r - 2 * se > 1 else "not supported" if r + 2 * se < 1 else "unresolved"
-            if not enough:
-                cells += [f"{r:.2f}x (fewer than {MIN_SEEDS} seeds: no verdict)", "**unresolved**"]
-                continue
-            cells += [f"{r:.2f}x +- {se:.2f}", f"**{verdict}**"]
+            va, least, most = to_reach(cv[a], key, target, config=a)
+            vb, tb, _ = to_reach(cv[b], key, target, config=b)  # b reaches its own change by eq_nfe
+            with np.errstate(divide="ignore", invalid="ignore"):  # where b's change is <= 0, both reach it at 0
+                ratio = tb / least  # where a never reaches it: b's time over a's last evaluation, the most it can be
+            undefined = np.isnan(ratio)  # no speed-up to a change of 0: it counts as anything from 0 to infinity
+            lo, hi = st.interval(np.where(np.isinf(most) | undefined, 0.0, ratio), seeds=min(len(cv[a]), len(cv[b])),
+                                 upper=np.where(undefined, np.inf, ratio), log=True)
+            point = "a never reaches it" if va is None else f"{vb / max(va, 1e-9):.2f}x"
+            cells += [f"{point} [{lo:.2f}x, {hi:.2f}x]", f"**{st.verdict(lo - 1, hi - 1)}**"]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 
@@ -583,22 +605,23 @@ def equal_compute(out):
     eq_nfe = min(x[-1]["nfe"] for xs in cv.values() for x in xs)
     eq_cpu = min(x[-1]["cpu"] for xs in cv.values() for x in xs)
     base = cv.get("flow_grpo")
-    target = stats(gains(base, "nfe", eq_nfe, "train"))[0] if base else None
-    at_nfe, at_cpu = (lambda x, m: at(x, "nfe", eq_nfe, m)), (lambda x, m: at(x, "cpu", eq_cpu, m))  # noqa: E731
+    target = target_gain(base, eq_nfe, config="flow_grpo") if base else None
     lines = ["## All methods at equal compute", "",
              "Every file's toy preset, each run to at least the NFE of 60 Flow-GRPO iterations, evaluated every 10 "
-             "iterations on the same held-out pairs. Each row: the change from the base model, mean +- SE over seeds, "
-             f"of the training reward and the strict metric at equal NFE ({eq_nfe:,.0f}, the last NFE every run "
-             f"reaches) and at equal CPU time (that of {eq_cpu:.1f} Flow-GRPO iterations: training only, one thread, "
+             "iterations on the same held-out pairs. Each row: the change from the base model (mean over seeds and "
+             "pairs, [its 95% interval]: results/stats.py, which resamples the seeds and the evaluation pairs) of the "
+             f"training reward and the strict metric at equal NFE ({eq_nfe:,.0f}, the last NFE every run reaches) and "
+             f"at equal CPU time (that of {eq_cpu:.1f} Flow-GRPO iterations: training only, one thread, "
              "`perf/cpu_seconds_per_iteration`, counted in Flow-GRPO's mean CPU seconds per iteration on the machine "
              "that ran the iteration, so that a faster machine's runs get no credit for its speed), and the NFE and "
-             "CPU time at which the mean over seeds first reaches Flow-GRPO's change at "
-             f"equal NFE ({target:+.4f}; +- the SE of {BOOTSTRAP} bootstrap resamples of the seeds). Claims: the rules "
-             "of the papers' tables below; a speed-up (b's NFE or CPU time to reach b's change at equal NFE over a's) is "
-             "supported when its 2-SE interval lies above 1, not supported when it lies below 1 or when a never "
-             f"reaches that change in a run longer than b needed; with fewer than {MIN_SEEDS} seeds on either side it is "
-             "unresolved." if target is not None else
-             "(no Flow-GRPO runs yet)", "",
+             "CPU time at which the mean over seeds first reaches Flow-GRPO's change at equal NFE "
+             f"({target[0]:+.4f}; on every resample Flow-GRPO's own change, so that it is always reached; 'not "
+             "reached' as an interval's end: the row's curve misses it in more than 2.5% of the resamples). Claims: "
+             "the rules of the papers' tables below; a speed-up (b's NFE or CPU time to reach b's change at equal "
+             "NFE over a's, on every resample) is supported when its interval lies above 1, not supported when it "
+             "lies below 1; a resample in which a never reaches b's change counts between 0 and b's time over a's "
+             "last evaluation, and one in which b's change is not above 0 anything from 0 to infinity." if target is not None
+             else "(no Flow-GRPO runs yet)", "",
              f"| method | config | seeds | iterations | NFE per iteration | CPU per iteration (Flow-GRPO = 1) | "
              f"training reward, {eq_nfe:,.0f} NFE | strict, {eq_nfe:,.0f} NFE | training reward, CPU of {eq_cpu:.1f} "
              f"Flow-GRPO iterations | strict, same CPU | NFE to reach Flow-GRPO | CPU to reach Flow-GRPO (Flow-GRPO "
@@ -611,9 +634,10 @@ def equal_compute(out):
         cells = [name, c, str(len(cv[c])), str(cv[c][0][-1]["iteration"]),
                  f"{stats([r['perf/nfe_per_iteration'] for _, r in per_it])[0]:,.0f}",
                  f"{stats([cpu_of(run, r, units) for run, r in per_it])[0]:.2f}"]
-        cells += [change(cv[c], pick, m) for pick in (at_nfe, at_cpu) for m in ("train", S)]
-        cells += [reach_cell(*to_reach(cv[c], key, target, config=c), digits=int(key == "cpu"))
-                  if target is not None else "-" for key in ("nfe", "cpu")]
+        cells += [change(cv[c], key, value, m, config=c) for key, value in (("nfe", eq_nfe), ("cpu", eq_cpu))
+                  for m in ("train", S)]
+        cells += [reach_cell(*to_reach(cv[c], key, target, config=c), seeds=len(cv[c]), digits=int(key == "cpu"))
+                  if target is not None and len(cv[c]) > 1 else "-" for key in ("nfe", "cpu")]
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", *claim_rows(cv, EFFICIENCY, keys=("nfe", "cpu")), ""]
     if target is not None:
@@ -624,24 +648,19 @@ def equal_compute(out):
         for c, name in EQUAL_ROWS.items():
             if c not in cv:
                 continue
-            points = {}
-            for x in cv[c]:
-                for p in x[1:]:
-                    points.setdefault(p["iteration"], []).append((p[key], p["train"] - x[0]["train"]))
-            xs = [stats([u for u, _ in points[i]])[0] for i in sorted(points)]
-            ys = [stats([g for _, g in points[i]]) for i in sorted(points)]
-            m = [y[0] for y in ys]
-            se = [y[1] / math.sqrt(y[2]) if y[2] > 1 else 0.0 for y in ys]
-            ax.plot(xs, m, marker="o", ms=3, label=f"{name} (n = {len(cv[c])})")
-            ax.fill_between(xs, [u - v for u, v in zip(m, se)], [u + v for u, v in zip(m, se)], alpha=0.15)
+            xs, m, _, Y = resampled_curve(cv[c], key, "train", config=c)
+            band = [st.interval(Y[:, k], seeds=len(cv[c])) if len(cv[c]) > 1 else (v, v) for k, v in enumerate(m)]
+            ax.plot(xs[1:], m[1:], marker="o", ms=3, label=f"{name} (n = {len(cv[c])})")
+            ax.fill_between(xs[1:], [b[0] for b in band[1:]], [b[1] for b in band[1:]], alpha=0.15)
         if target is not None:
-            ax.axhline(target, color="k", ls="--", lw=0.8, label="Flow-GRPO at equal NFE")
+            ax.axhline(target[0], color="k", ls="--", lw=0.8, label="Flow-GRPO at equal NFE")
         ax.set(xscale="log", xlabel=label, ylabel="change of the training reward (ODE eval)")
         ax.xaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:,.0f}"))  # 40, not 4 x 10^1
         ax.xaxis.set_minor_formatter(ticker.FuncFormatter(lambda v, _: f"{v:,.0f}" if str(v)[0] in "25" else ""))
         ax.grid(alpha=0.3, which="both")
     axes[0].legend(fontsize=7)
-    fig.suptitle("All methods at equal compute: mean over seeds (band: +- SE over seeds)", fontsize=10)
+    fig.suptitle("All methods at equal compute: mean over seeds (band: its 95% interval, seeds and evaluation pairs "
+                 "resampled: results/stats.py)", fontsize=10)
     fig.tight_layout()
     fig.savefig(os.path.join(out, "equal_compute.png"), dpi=100)
     plt.close(fig)
@@ -668,19 +687,21 @@ def summarize(a):
     eq_nfe = min(x[-1]["nfe"] for xs in cv.values() for x in xs)
     pairs = sorted({len(e[S]) for rs in runs.values() for r in rs for e in r["evals"].values()})
     lines = ["# Toy-world comparison (seeds per row in the n column)", "",
-             f"Evaluation: ODE sampling, {'/'.join(map(str, pairs))} fixed held-out prompt/seed pairs. Cells: mean +- std "
-             "over seeds, in brackets the change from the base model (iteration 0) +- its standard error over seeds; "
-             "'strict gain / SE' is that change of the strict metric over its standard error (n/a with one seed). "
-             "NFE counts every transformer forward (sampling, ODE completions, training and reference forwards).", ""]
+             f"Evaluation: ODE sampling, {'/'.join(map(str, pairs))} fixed held-out prompt/seed pairs. Cells: the mean "
+             "over seeds and pairs, in brackets the change from the base model (iteration 0) and its 95% interval "
+             "(results/stats.py: the seeds and the evaluation pairs resampled; none with one seed). NFE counts every "
+             "transformer forward (sampling, ODE completions, training and reference forwards).", ""]
     papers = ["## The papers' tables on the toy", "",
-              "Each row: the change from the base model (iteration 0), mean +- standard error over seeds, of the training "
-              "reward (mean of the two toy rewards) and of the strict metric (never trained on), at the table's equal "
-              "iterations and equal NFE (the last point every row reaches; linear between evaluations). Claims: the "
-              "difference of the two rows' changes +- sqrt(SE_a^2 + SE_b^2), at the last iteration and NFE both rows "
-              "reach. 'better' claims are supported at >= 2 SE in one metric with none <= -2 SE, not supported at "
-              "<= -2 SE with none >= 2 SE, else unresolved; 'comparable' claims are supported when the 2-SE interval of "
-              f"both differences lies within +- {MARGIN:.0%} of b's change (the margin), not supported when either lies "
-              "beyond it.", ""]
+              "Each row: the change from the base model (iteration 0), the mean over seeds and pairs [its 95% "
+              "interval], of the training reward (mean of the two toy rewards) and of the strict metric (never trained "
+              "on), at the table's equal iterations and equal NFE (the last point every row reaches; linear between "
+              "evaluations). Intervals and verdicts: results/stats.py (the seeds of each row and the evaluation pairs "
+              "resampled together, a t quantile for the smaller seed count; docs/results.md). Claims: the "
+              "difference of the two rows' changes [its interval], at the last iteration and NFE both rows reach. "
+              "'better' claims are supported when the interval lies above 0 in one metric with none below 0, not "
+              "supported when one lies below 0 with none above, else unresolved; 'comparable' claims are supported "
+              f"when the intervals of both differences lie within +- {MARGIN:.0%} of b's change (the margin), not "
+              "supported when either lies beyond it.", ""]
     for title, rows, claims in TABLES.values():
         papers += paper_table(cv, runs, title, rows, claims)
     papers += ["### Other questions", "", *claim_rows(cv, QUESTIONS), ""]
@@ -688,15 +709,15 @@ def summarize(a):
     for title, key, value in [(f"Equal iterations ({eq_iter})", "iteration", eq_iter),
                               (f"Equal NFE ({eq_nfe:,.0f} per run; linear between the two evaluations around it)", "nfe",
                                eq_nfe), ("Each run's last evaluation (its full budget)", None, None)]:
-        lines += [f"## {title}", "", "| config | n | iterations | NFE | " + " | ".join(metrics) + " | strict gain / SE |",
-                  "|---|---|---|---|" + "---|" * len(metrics) + "---|"]
+        lines += [f"## {title}", "", "| config | n | iterations | NFE | " + " | ".join(metrics) + " |",
+                  "|---|---|---|---|" + "---|" * len(metrics)]
         for c, xs in cv.items():
             pick = (lambda x, m: x[-1][m]) if key is None else (lambda x, m: at(x, key, value, m))  # noqa: E731
-            gain = stats([pick(x, S) - x[0][S] for x in xs if pick(x, S) is not None])
-            t = f"{gain[0] / (gain[1] / math.sqrt(gain[2])):+.1f}" if gain[2] > 1 and gain[1] > 0 else "n/a"
-            its, nfe = stats([pick(x, "iteration") for x in xs])[0], stats([pick(x, "nfe") for x in xs])[0]
-            cells = [cell([pick(x, m) for x in xs], [x[0][m] for x in xs]) for m in metrics]
-            lines.append(f"| {c} | {gain[2]} | {its:.1f} | {nfe:,.0f} | " + " | ".join(cells) + f" | {t} |")
+            kept = [x for x in xs if pick(x, S) is not None]
+            its, nfe = stats([pick(x, "iteration") for x in kept])[0], stats([pick(x, "nfe") for x in kept])[0]
+            cells = [f"{stats([pick(x, m) for x in kept])[0]:.4f} ({change(xs, key, value, m, config=c)})"
+                     for m in metrics]
+            lines.append(f"| {c} | {len(kept)} | {its:.1f} | {nfe:,.0f} | " + " | ".join(cells) + " |")
         lines.append("")
     lines += ["## Cost", "", "Rollout NFE per prompt: the sampler plus every ODE completion, measured and the closed-form "
               "minimum (`perf/nfe_min_per_prompt`; G T for Flow-GRPO). All forwards per iteration: the rollout plus the "
@@ -722,21 +743,15 @@ def summarize(a):
         f.write("\n".join(equal + papers))
 
     def band(ax, configs, x_key, metric):
-        """Mean over the seeds that have an evaluation at each iteration, +- the standard error where n > 1."""
+        """The mean over seeds at each evaluation every seed has, and its 95% interval where n > 1."""
         for c in configs:
             if c not in cv:
                 continue
-            points = {}
-            for x in cv[c]:
-                for p in x:
-                    points.setdefault(p["iteration"], []).append(p)
-            its = sorted(points)
-            xv = [stats([p[x_key] for p in points[i]])[0] for i in its]
-            ys = [stats([p[metric] for p in points[i]]) for i in its]
-            m = [y[0] for y in ys]
-            se = [y[1] / math.sqrt(y[2]) if y[2] > 1 else float("nan") for y in ys]
+            xv, m, _, Y = resampled_curve(cv[c], x_key, metric, config=c, absolute=True)
             ax.plot(xv, m, marker="o", ms=3, label=f"{c} (n = {len(cv[c])})")
-            ax.fill_between(xv, [u - s for u, s in zip(m, se)], [u + s for u, s in zip(m, se)], alpha=0.2)
+            if len(cv[c]) > 1:
+                band = [st.interval(Y[:, k], seeds=len(cv[c])) for k in range(len(m))]
+                ax.fill_between(xv, [b[0] for b in band], [b[1] for b in band], alpha=0.2)
 
     names = {A: "colour/position reward", B: "shape/count reward", S: "strict accuracy", "train": "training reward (mean)"}
     xlabels = {"iteration": "iteration", "nfe": "NFE (transformer forwards)", "seconds": "training time (s, one thread)"}
@@ -750,7 +765,7 @@ def summarize(a):
                 axes[i, j].grid(alpha=0.3)
         if axes[0, 0].get_legend_handles_labels()[0]:
             axes[0, 0].legend(fontsize=8)
-        fig.suptitle(f"{question}\nmean over seeds (band: +- SE over seeds); ODE evaluation on "
+        fig.suptitle(f"{question}\nmean over seeds (band: its 95% interval, seeds and pairs resampled); ODE evaluation on "
                      f"{'/'.join(map(str, pairs))} held-out pairs", fontsize=10)
         fig.tight_layout()
         fig.savefig(os.path.join(a.out, f"{fig_name}.png"), dpi=100)

@@ -19,9 +19,12 @@ import subprocess
 import sys
 import tempfile
 
+import numpy as np
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import compare  # noqa: E402
-from compare import A, B, CONFIGS, FIRST_SEEDS, ROOT, S, at, curves, judge, load, stats  # noqa: E402
+import stats as st  # noqa: E402
+from compare import A, B, CONFIGS, FIRST_SEEDS, ROOT, S, at, curves, load  # noqa: E402
 
 PROXY = ["--rewards", "toy_proxy", "--eval-rewards", A, B, S, "--keep-checkpoints", "0"]
 HACKING = {  # name: (results/compare.py's config, flags on top of it, label); seeds: SEEDS
@@ -44,14 +47,19 @@ CLAIMS = [  # (what a paper or the KL's role says, a, b (None: 0), measure, +1: 
     ("Without KL, gold first rises: its peak above the base model", "flow_grpo_kl0", None, "peak", 1),
     ("Over-optimisation: without KL, gold then falls from its peak", "flow_grpo_kl0", None, "fall", 1),
     ("Without KL, the proxy ends above the base model", "flow_grpo_kl0", None, "proxy_end", 1),
+    ("Without KL, the proxy over-rates the images at the end: its gain above gold's", "flow_grpo_kl0", None,
+     "over_end", 1),
     ("GRPO-Guard over-optimises less than Flow-GRPO (its paper): a smaller fall", "flow_grpo_guard", "flow_grpo_kl0",
      "fall", -1),
     ("Flow-DPPO drifts less from the base than Flow-GRPO (its paper): a smaller KL at the end", "flow_dppo",
      "flow_grpo", "kl_end", -1),
     ("A larger KL coefficient peaks higher (Flow-GRPO, KL 0.4 against 0.04)", "flow_grpo_kl4", "flow_grpo", "peak", 1),
-    ("A larger KL coefficient peaks later (Flow-GRPO, KL 0.4 against 0.04; NFE of each seed's own peak)",
-     "flow_grpo_kl4", "flow_grpo", "own_peak_nfe", 1),
+    ("A larger KL coefficient peaks later (Flow-GRPO, KL 0.4 against 0.04; NFE of the peak)", "flow_grpo_kl4",
+     "flow_grpo", "peak_nfe", 1),
 ]
+REFERENCES = ["flow_grpo", "flow_grpo_kl0"]  # every row's over-rating at the end against these: less, or not?
+PROXY_LEVELS = [0.005, 0.01, 0.015, 0.02]  # matched proxy gain
+KL_LEVELS = [5, 10, 20, 40, 80, 160]  # matched drift (nats)
 for name, (base, flags, _) in HACKING.items():  # registered as results/compare.py configs of their own
     CONFIGS["proxy_" + name] = (CONFIGS[base][0], CONFIGS[base][1] + flags + PROXY, SEEDS[name])
 
@@ -75,45 +83,107 @@ def kl_of_checkpoints(run, *, pairs: int) -> dict:
 
 
 def hacking_curves(run):
-    """compare.curves (gold = its "train", the mean of the two exact rewards) with the proxy's mean and the KL."""
+    """compare.curves (gold = its "train", the mean of the two exact rewards) with the proxy's mean, the KL (the
+    mean over its pairs) and, under "pairs", the over-rating of every pair (the proxy minus gold) and its KL."""
     out = curves(run)
     for p in out:
-        p["proxy"] = p["toy_proxy"]
-        p["kl"] = stats(run.get("kl", {}).get(str(p["iteration"]), [math.nan]))[0]
+        kl = np.asarray(run.get("kl", {}).get(str(p["iteration"]), [math.nan]), dtype=np.float64)
+        p["proxy"], p["kl"], p["pairs"]["kl"] = p["toy_proxy"], float(kl.mean()), kl
+        p["pairs"]["over"] = p["pairs"]["toy_proxy"] - p["pairs"]["train"]
     return out
 
 
-def measures(xs, *, peak_of=None) -> list[dict]:
-    """Each run's numbers at its config's peak, the evaluation where the gold reward's mean change over the seeds is
-    highest (one evaluation for all seeds: a maximum per seed would pick each seed's luckiest evaluation): the gold
-    change there and at the end, the fall between them, the NFE of the peak, the NFE of the seed's own highest
-    evaluation, and the proxy's change and the KL at the end. peak_of: other runs whose mean picks the peak (then
-    the choice of the evaluation owes nothing to these runs' noise)."""
-    def gold_changes(runs):
-        return [[p["train"] - x[0]["train"] for p in x] for x in runs]
-    gold, chooser = gold_changes(xs), gold_changes(peak_of or xs)
-    k = max(range(min(map(len, gold + chooser))), key=lambda i: stats([g[i] for g in chooser])[0])
-    return [{"peak": g[k], "peak_nfe": x[k]["nfe"], "end": g[-1], "fall": g[k] - g[-1],
-             "own_peak_nfe": x[max(range(len(g)), key=g.__getitem__)]["nfe"],
-             "proxy_end": x[-1]["proxy"] - x[0]["proxy"], "kl_end": x[-1]["kl"]} for x, g in zip(xs, gold)]
+def per_run(gold, proxy, kl, nfe) -> dict:
+    """Each run's measures [runs, R] from its changes from iteration 0 [runs, evaluations, R] of gold and the proxy
+    on R weightings of the pairs (their plain mean, or results/stats.py's resamples), its KL and its NFE [runs,
+    evaluations]. The peak is chosen out of sample: run i's peak is the evaluation where the mean gold change of
+    the other runs is highest, so that no run's own noise picks the evaluation it is read at."""
+    n = len(gold)
+    others = gold.sum(0, keepdims=True) - gold  # the other runs' sum, [runs, evaluations, R]
+    k = others.argmax(1)  # [runs, R]
+    peak = np.take_along_axis(gold, k[:, None, :], 1)[:, 0]
+    missing = np.full_like(peak, np.nan) if n < 2 else None  # one seed: no other seed to choose its peak
+    return {"peak": peak if missing is None else missing, "end": gold[:, -1],
+            "fall": peak - gold[:, -1] if missing is None else missing,
+            "peak_nfe": np.take_along_axis(nfe, k, 1) if missing is None else missing,
+            "proxy_end": proxy[:, -1], "over_end": proxy[:, -1] - gold[:, -1], "kl_end": kl[:, -1]}
 
 
-def mean_se(xs, digits=4, sign="+"):
-    m, sd, n = stats(xs)
-    se = f" +- {sd / math.sqrt(n):{sign.replace('+', '')}.{digits}f}" if n > 1 else ""
-    return f"{m:{sign}.{digits}f}{se}"
+def changes(xs, metric):
+    """[runs, evaluations, pairs]: every run's change of a metric's score on each pair since iteration 0 (KL: the
+    value itself), at the evaluations every run has."""
+    e = min(map(len, xs))
+    return np.stack([[p["pairs"][metric] - (0 if metric == "kl" else x[0]["pairs"][metric]) for p in x[:e]]
+                     for x in xs])
+
+
+def measures(xs, *, config) -> dict:
+    """{measure: (value, its resamples, seeds)} of a config's runs: the out-of-sample peak of gold, gold there and
+    at the end, the fall between them, the NFE of the peak, the proxy's change, the over-rating and the KL at the
+    end (per_run), as means over seeds and pairs, with results/stats.py's resamples."""
+    gold, proxy, kl = changes(xs, "train"), changes(xs, "toy_proxy"), changes(xs, "kl")
+    nfe = np.array([[p["nfe"] for p in x[:gold.shape[1]]] for x in xs])
+    pairs = gold.shape[2]
+    point = per_run(gold.mean(2, keepdims=True), proxy.mean(2, keepdims=True), kl.mean(2, keepdims=True),
+                    nfe)
+    draws = per_run(st.on_pairs(gold), st.on_pairs(proxy), st.on_pairs(kl, first=kl.shape[2], pairs=pairs), nfe)
+    return {k: (float(point[k].mean()), st.over_seeds(draws[k], config), len(xs)) for k in point}
+
+
+def matched(xs, *, config, axis: str, level: float):
+    """The over-rating (proxy minus gold change) where the mean curve over seeds of `axis` (toy_proxy: its
+    change; kl) first reaches `level`, linear between evaluations: (value or None, least and greatest resamples:
+    a resample whose curve never reaches the level counts as anything)."""
+    over, x = changes(xs, "over"), changes(xs, axis)
+    pairs = over.shape[2]
+    ox = st.on_pairs(x, first=x.shape[2], pairs=pairs) if axis == "kl" else st.on_pairs(x)
+    Y, X = (st.over_seeds(np.moveaxis(v, 2, 1), config) for v in (st.on_pairs(over), ox))
+    y, xm = over.mean((0, 2))[None], x.mean((0, 2))[None]
+    v, V = at_level(xm, y, level)[0], at_level(X, Y, level)
+    return (None if math.isnan(v) else float(v)), np.where(np.isnan(V), -np.inf, V), np.where(np.isnan(V), np.inf, V)
+
+
+def at_level(X, Y, level):
+    """[R]: Y where each curve X[r] first reaches level (linear between evaluations), NaN where it never does."""
+    out = np.full(len(X), np.nan)
+    for e in range(X.shape[1]):
+        hit = np.isnan(out) & (X[:, e] >= level)
+        if e == 0:
+            out[hit] = Y[hit, 0]
+            continue
+        x0, x1, y0, y1 = X[hit, e - 1], X[hit, e], Y[hit, e - 1], Y[hit, e]
+        out[hit] = y0 + (y1 - y0) * np.clip((level - x0) / np.maximum(x1 - x0, 1e-300), 0, 1)
+    return out
+
+
+def cell(m, *, digits=4, sign="+"):
+    """'+0.0123 [+0.0045, +0.0201]' of a (value, resamples, seeds) measure."""
+    value, draws, n = m
+    if n < 2 or not math.isfinite(value):
+        return "-" if not math.isfinite(value) else f"{value:{sign}.{digits}f}"
+    return st.fmt(value, *st.interval(draws, seeds=n), digits=digits, sign=sign)
+
+
+def level_cell(xs, *, config, axis, level):
+    v, least, most = matched(xs, config=config, axis=axis, level=level)
+    if v is None:
+        return "not reached"
+    lo, hi = st.interval(least, seeds=len(xs), upper=most)
+    return st.fmt(v, lo, hi).replace("-inf", "?").replace("inf", "?")
 
 
 def figure(cv, path):
     """Per method two panels, gold against proxy and gold against the KL to the base: the seeds' mean changes at
-    every evaluation (the first: the base model, at 0), the peak ringed, Flow-GRPO without KL in grey beside."""
+    every evaluation (the first: the base model, at 0), Flow-GRPO without KL in grey beside; on the first, the
+    diagonal where gold gains what the proxy gains (the over-rating is the distance to its right of it)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     def mean_curve(c, key):
         points = [p["iteration"] for p in cv[c][0]]
-        return [stats([at(x, "iteration", i, key) - x[0][key] * (key != "kl") for x in cv[c]])[0] for i in points]
+        return [compare.stats([at(x, "iteration", i, key) - x[0][key] * (key != "kl") for x in cv[c]])[0]
+                for i in points]
 
     names = [n for n in HACKING if "proxy_" + n in cv]
     rows = math.ceil(len(names) / 3)
@@ -123,13 +193,14 @@ def figure(cv, path):
         c = "proxy_" + name
         gold = mean_curve(c, "train")
         for ax, key, xlabel in ((axes[j // 3, 2 * (j % 3)], "proxy", "proxy change"),
-                                (axes[j // 3, 2 * (j % 3) + 1], "kl", "KL to the base (nats)")):
+                                (axes[j // 3, 2 * (j % 3) + 1], "kl", "KL to the base (see docs/results.md)")):
             if ref in cv and c != ref:
                 ax.plot(mean_curve(ref, key), mean_curve(ref, "train"), color="0.7", lw=1, label=HACKING[ref[6:]][2])
             xs = mean_curve(c, key)
             ax.plot(xs, gold, marker="o", ms=3, color="C0", label=f"{HACKING[name][2]} (n = {len(cv[c])})")
-            k = max(range(len(gold)), key=gold.__getitem__)
-            ax.plot(xs[k], gold[k], "o", ms=9, mfc="none", color="C3")
+            if key == "proxy":
+                lim = max(max(xs), max(gold))
+                ax.plot([0, lim], [0, lim], color="C3", ls=":", lw=0.8)
             ax.axhline(0, color="k", lw=0.6)
             ax.set_xlabel(xlabel, fontsize=8)
             ax.set_ylabel("gold change", fontsize=8)
@@ -139,8 +210,8 @@ def figure(cv, path):
         axes[j // 3, 2 * (j % 3)].set_title(HACKING[name][2], fontsize=9, loc="left")
     for ax in axes.flat[2 * len(names):]:
         ax.axis("off")
-    fig.suptitle("Gold against proxy and against the KL to the base: the mean over seeds at every evaluation "
-                 "(ringed: the peak; grey: Flow-GRPO without KL)", fontsize=11)
+    fig.suptitle("Gold against proxy and against the KL to the base: the mean over seeds at every evaluation (dotted: "
+                 "gold = proxy, the over-rating is the distance to its right; grey: Flow-GRPO without KL)", fontsize=11)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
@@ -149,23 +220,57 @@ def figure(cv, path):
 def summarize(a) -> list[str]:
     runs = load(a)
     cv = {c: [hacking_curves(r) for r in rs] for c, rs in runs.items()}
-    ms = {c: measures(xs) for c, xs in cv.items()}
+    ms = {c: measures(xs, config=c) for c, xs in cv.items()}
     lines = ["## Reward hacking: every method on a learned proxy of the training reward", "",
-             "Each row: mean +- SE over seeds of the changes from the base model of the gold reward (the exact "
-             "training reward) at the evaluation where their mean is highest (the peak) and at the end, the fall "
-             "between them, the NFE of the peak (in brackets: of each seed's own highest evaluation), and the proxy's "
-             "change and the KL to the base model (nats, evaluate.py --kl-to-base) at the end.", "",
-             "| method | config | seeds | gold at the peak | NFE of the peak (each seed's own) | gold at the end | fall "
-             "| proxy at the end | KL to the base at the end |", "|---|---|---|---|---|---|---|---|---|"]
+             "Each row: changes from the base model, the mean over seeds and the evaluation pairs [its 95% interval: "
+             "results/stats.py, the seeds and the pairs resampled, a t quantile for the number of seeds]. The "
+             "over-rating is the proxy's change minus the gold reward's (the exact training reward's) at the end: how "
+             "much more the proxy credits the trained model than it earned. The peak is chosen out of sample: each "
+             "seed is read at the evaluation where the other seeds' mean gold change is highest (leave one seed out; "
+             "its NFE: the mean over seeds), the fall is from there to the end. KL to the base at the end: "
+             "evaluate.py --kl-to-base on the first 64 pairs (docs/results.md: what it is and is not).", "",
+             "| method | config | seeds | over-rating at the end | proxy at the end | gold at the end | gold at the peak "
+             "(out of sample) | NFE of the peak | fall from the peak | KL to the base at the end |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for name, (_, _, label) in HACKING.items():
         c = "proxy_" + name
         if c not in ms:
             continue
-        m = {k: [r[k] for r in ms[c]] for k in ms[c][0]}
-        nfe = f"{stats(m['peak_nfe'])[0]:,.0f} ({mean_se(m['own_peak_nfe'], 0, sign=',')})"
-        lines.append(f"| {label} | {c} | {len(ms[c])} | {mean_se(m['peak'])} | {nfe} | {mean_se(m['end'])} | "
-                     f"{mean_se(m['fall'])} | {mean_se(m['proxy_end'])} | {mean_se(m['kl_end'], 1, sign='')} |")
-    lines += ["", "| claim (a vs b; b = 0: a alone) | seeds | a | b | difference (a - b) | verdict |",
+        m = ms[c]
+        lines.append(f"| {label} | {c} | {len(cv[c])} | {cell(m['over_end'])} | {cell(m['proxy_end'])} | "
+                     f"{cell(m['end'])} | {cell(m['peak'])} | {m['peak_nfe'][0]:,.0f} | {cell(m['fall'])} | "
+                     f"{cell(m['kl_end'], digits=1, sign='')} |")
+    lines += ["", "Over-rating at matched proxy gain and at matched drift: where the mean curve over seeds first reaches "
+              "the proxy change or the KL to the base of the column (linear between evaluations; 'not reached': "
+              "the mean curve never does; '?' as an interval's end: more than 2.5% of the resamples never do).", "",
+              "| method | " + " | ".join(f"proxy {v:+.3f}" for v in PROXY_LEVELS) + " | "
+              + " | ".join(f"KL {v}" for v in KL_LEVELS) + " |", "|---|" + "---|" * (len(PROXY_LEVELS) + len(KL_LEVELS))]
+    for name, (_, _, label) in HACKING.items():
+        c = "proxy_" + name
+        if c in cv:
+            lines.append(f"| {label} | " + " | ".join(
+                [level_cell(cv[c], config=c, axis="toy_proxy", level=v) for v in PROXY_LEVELS]
+                + [level_cell(cv[c], config=c, axis="kl", level=v) for v in KL_LEVELS]) + " |")
+    refs = [r for r in REFERENCES if "proxy_" + r in ms]
+    lines += ["", "Over-rating at the end against Flow-GRPO's: the difference [its interval], 'less' when it lies "
+              "below 0, 'more' when above, else unresolved.", "",
+              "| method | seeds | " + " | ".join(f"minus {HACKING[r][2]} | verdict" for r in refs) + " |",
+              "|---|---|" + "---|---|" * len(refs)]
+    for name, (_, _, label) in HACKING.items():
+        c = "proxy_" + name
+        if c not in ms:
+            continue
+        cells = []
+        for r in refs:
+            if r == name:
+                cells += ["-", "-"]
+                continue
+            (va, da, na), (vb, db, nb) = ms[c]["over_end"], ms["proxy_" + r]["over_end"]
+            lo, hi = st.interval(da - db, seeds=min(na, nb))
+            v = st.verdict(lo, hi)
+            cells += [st.fmt(va - vb, lo, hi), {"supported": "more", "not supported": "less"}.get(v, v)]
+        lines.append(f"| {label} | {len(cv[c])} | " + " | ".join(cells) + " |")
+    lines += ["", "| claim (a vs b; b = 0: a alone) | seeds | a | b | difference (a - b) [interval] | verdict |",
               "|---|---|---|---|---|---|"]
     for claim, x, y, key, sign in CLAIMS:
         x, y = "proxy_" + x, y and "proxy_" + y
@@ -173,17 +278,17 @@ def summarize(a) -> list[str]:
             continue
         subsets = [(ms, "")]
         if max(len(cv[c]) for c in (x, y) if c) > FIRST_SEEDS:  # and what the first seeds said
-            subsets.append(({c: measures(cv[c][:FIRST_SEEDS]) for c in (x, y) if c}, f", first {FIRST_SEEDS} seeds"))
-        if key in ("peak", "fall") and min(len(cv[c]) for c in (x, y) if c) > FIRST_SEEDS:  # a peak chosen blind
-            subsets.append(({c: measures(cv[c][FIRST_SEEDS:], peak_of=cv[c][:FIRST_SEEDS]) for c in (x, y) if c},
-                            f", the later seeds at the peak of the first {FIRST_SEEDS}"))
+            subsets.append(({c: measures(cv[c][:FIRST_SEEDS], config=c) for c in (x, y) if c},
+                            f", first {FIRST_SEEDS} seeds"))
         for m, note in subsets:
-            (ma, sa, na), (mb, sb, nb) = (stats([r[key] for r in m[c]]) if c else (0.0, 0.0, 2) for c in (x, y))
-            se = math.hypot(sa / math.sqrt(na), sb / math.sqrt(nb)) if na > 1 and nb > 1 else float("nan")
+            (va, da, na) = m[x][key]
+            (vb, db, nb) = m[y][key] if y else (0.0, np.zeros(st.RESAMPLES), na)
+            lo, hi = st.interval(da - db, seeds=min(na, nb)) if min(na, nb) > 1 else (math.nan, math.nan)
             f = ",.0f" if key.endswith("nfe") else "+.1f" if key.startswith("kl") else "+.4f"
-            lines.append(f"| {claim} ({x} vs {y or 0}{note}) | {na}{f', {nb}' if y else ''} | {ma:{f}} | {mb:{f}} | "
-                         f"{ma - mb:{f.replace(',', '+,')}} +- {se:{f.lstrip('+')}} | "
-                         f"**{judge(sign * (ma - mb), se, 'better', mb)}** |")
+            g = f.replace(",", "+,")
+            lines.append(f"| {claim} ({x} vs {y or 0}{note}) | {na}{f', {nb}' if y else ''} | {va:{f}} | {vb:{f}} | "
+                         f"{va - vb:{g}} [{lo:{g}}, {hi:{g}}] | "
+                         f"**{st.verdict(*sorted((sign * lo, sign * hi)))}** |")
     figure(cv, os.path.join(a.out, "hacking.png"))
     with open(os.path.join(a.out, "hacking.md"), "w") as f:
         f.write("\n".join(lines) + "\n")

@@ -1,4 +1,4 @@
-"""results/hacking.py: the peak and the fall from the raw runs (synthetic curves)."""
+"""results/hacking.py: the out-of-sample peak, the fall and the over-rating from the raw runs (synthetic curves)."""
 import json
 import os
 import random
@@ -6,6 +6,7 @@ import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from helpers import ROOT
@@ -14,25 +15,27 @@ sys.path.insert(0, os.path.join(ROOT, "results"))
 import hacking  # noqa: E402
 
 
-def curve(gold, proxy, kl, nfe_per_eval=100):
-    return [{"iteration": 10 * i, "nfe": nfe_per_eval * i, "train": g, "proxy": p, "kl": k}
-            for i, (g, p, k) in enumerate(zip(gold, proxy, kl))]
+def test_each_seed_is_read_at_the_peak_of_the_other_seeds():
+    """Leave one seed out: seed i is read at the evaluation where the other seeds' mean gold change is highest, never
+    at its own luckiest one; the fall is from there to its end, the over-rating its proxy change minus its gold
+    change at the end."""
+    gold = np.array([[0.0, 0.10, 0.05, -0.05], [0.0, 0.04, 0.10, -0.02], [0.0, 0.06, 0.04, 0.0]])[:, :, None]
+    proxy = np.array([[0.0, 0.1, 0.2, 0.3]] * 3)[:, :, None]
+    kl = np.array([[0.0, 1.0, 2.0, 3.0], [0.0, 2.0, 4.0, 6.0], [0.0, 1.0, 1.0, 1.0]])[:, :, None]
+    nfe = np.array([[0.0, 100.0, 200.0, 300.0]] * 3)
+    m = hacking.per_run(gold, proxy, kl, nfe)
+    # the others' mean is highest for seed 0 at evaluation 2 (0.07), for seed 1 at 1 (0.08), for seed 2 at 2 (0.075)
+    assert m["peak"][:, 0] == pytest.approx([0.05, 0.04, 0.04]) and m["peak_nfe"][:, 0].tolist() == [200, 100, 200]
+    assert m["fall"][:, 0] == pytest.approx([0.10, 0.06, 0.04]) and m["end"][:, 0] == pytest.approx([-0.05, -0.02, 0])
+    assert m["over_end"][:, 0] == pytest.approx([0.35, 0.32, 0.30]) and m["kl_end"][:, 0].tolist() == [3, 6, 1]
+    assert np.isnan(hacking.per_run(gold[:1], proxy[:1], kl[:1], nfe[:1])["peak"]).all()  # one seed: no others
 
 
-def test_the_peak_is_one_evaluation_for_all_seeds():
-    """The peak is the evaluation where the seeds' mean gold change is highest, not each seed's own best: a seed
-    whose best evaluation is elsewhere is read at the common one; the fall is the peak minus the end, per seed."""
-    xs = [curve([0.5, 0.6, 0.55, 0.45], [0.5, 0.6, 0.7, 0.8], [0, 1, 2, 3]),
-          curve([0.4, 0.46, 0.50, 0.38], [0.4, 0.5, 0.6, 0.7], [0, 2, 4, 6])]
-    m = hacking.measures(xs)  # mean changes: +0.08 at evaluation 1, +0.075 at evaluation 2
-    assert [r["peak"] for r in m] == pytest.approx([0.1, 0.06]) and [r["peak_nfe"] for r in m] == [100, 100]
-    assert [r["fall"] for r in m] == pytest.approx([0.15, 0.08]) and [r["end"] for r in m] == pytest.approx([-0.05, -0.02])
-    assert [r["proxy_end"] for r in m] == pytest.approx([0.3, 0.3]) and [r["kl_end"] for r in m] == [3, 6]
-    assert [r["own_peak_nfe"] for r in m] == [100, 200]  # each seed's own highest evaluation
-    # the second seed alone peaks at evaluation 2 (+0.10); read at the first seed's peak, evaluation 1, it is +0.06
-    assert hacking.measures(xs[1:])[0]["peak"] == pytest.approx(0.1)
-    blind = hacking.measures(xs[1:], peak_of=xs[:1])[0]
-    assert (blind["peak"], blind["fall"], blind["peak_nfe"]) == pytest.approx((0.06, 0.08, 100))
+def test_the_over_rating_where_a_curve_first_reaches_a_level():
+    X = np.array([[0.0, 0.01, 0.02, 0.015], [0.0, 0.004, 0.006, 0.008]])
+    Y = np.array([[0.0, -0.01, 0.005, 0.02], [0.0, 0.0, 0.0, 0.0]])
+    out = hacking.at_level(X, Y, 0.015)  # first reached halfway between evaluations 1 and 2; never on the second
+    assert out[0] == pytest.approx(-0.0025) and np.isnan(out[1])
 
 
 def fake_run(config, seed, gold, proxy, kl, pairs=4):
@@ -47,9 +50,9 @@ def fake_run(config, seed, gold, proxy, kl, pairs=4):
 
 
 def test_summary_judges_the_fall_and_rebuilds_exactly(tmp_path):
-    """--summary-only on raw runs: Flow-GRPO without KL (7 seeds) rises then falls (each seed by 0.06-0.18:
-    supported; also on seeds 5 and 6 read at the peak of seeds 0-4), GRPO-Guard falls less (supported), KL 0.4 peaks
-    later than 0.04 (supported), and a second rebuild writes the same table and figure, byte for byte."""
+    """--summary-only on raw runs: Flow-GRPO without KL (7 seeds) rises then falls (each seed by 0.06-0.18, read at
+    the peak of the other seeds: supported) while the proxy over-rates it, GRPO-Guard falls less (supported), KL 0.4
+    peaks later than 0.04 (supported), and a second rebuild writes the same table and figure, byte for byte."""
     raw = tmp_path / "raw"
     raw.mkdir()
     for s in range(7):
@@ -67,18 +70,19 @@ def test_summary_judges_the_fall_and_rebuilds_exactly(tmp_path):
     first = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert first.returncode == 0, first.stderr
     table = (tmp_path / "hacking.md").read_text()
-    # kl0: the seeds' mean is highest at evaluation 1 (+0.06); the falls there are 0.06 + 0.02 s, mean 0.12
-    assert "| Flow-GRPO, no KL | proxy_flow_grpo_kl0 | 7 | +0.0600 +- 0.0082 | 500 (500 +- 0) | -0.0600 +- 0.0082 | " \
-           "+0.1200 +- 0.0163 | +0.1800 +- 0.0082 | 6.0 +- 0.8 |" in table
-    # seeds 5 and 6 at evaluation 1, where the mean of seeds 0-4 is highest: falls 0.16 and 0.18
-    assert "(proxy_flow_grpo_kl0 vs 0, the later seeds at the peak of the first 5) | 2 | +0.1700 | +0.0000 | " \
-           "+0.1700 +- 0.0100 | **supported** |" in table
-    verdicts = dict(re.findall(r"\| ([^|]+) \(proxy_\S+ vs \S+\) \|.*\*\*(.+)\*\* \|", table))
+    # kl0: every seed's others peak at evaluation 1 (NFE 500), where seed s is at +0.03 + 0.01 s: mean +0.06; it ends
+    # at -0.03 - 0.01 s (mean -0.06), a fall of +0.12; the proxy ends at +0.15 + 0.01 s: an over-rating of +0.24
+    (row,) = [r for r in table.splitlines() if r.startswith("| Flow-GRPO, no KL | proxy_flow_grpo_kl0 | 7 |")]
+    cells = row.split(" | ")
+    assert [c.split(" [")[0] for c in cells[3:10]] == ["+0.2400", "+0.1800", "-0.0600", "+0.0600", "500", "+0.1200",
+                                                     "6.0"], row
+    verdicts = dict(re.findall(r"\| ([^|]+) \(proxy_\S+ vs [^,)]+\) \|.*\*\*(.+)\*\* \|", table))
     assert verdicts["Over-optimisation: without KL, gold then falls from its peak"] == "supported"
     assert verdicts["Without KL, the proxy ends above the base model"] == "supported"
+    assert verdicts["Without KL, the proxy over-rates the images at the end: its gain above gold's"] == "supported"
     assert verdicts["GRPO-Guard over-optimises less than Flow-GRPO (its paper): a smaller fall"] == "supported"
-    # each seed's own highest evaluation: KL 0.4 at NFE 1,000 (seed 4: 1,500), KL 0.04 at 500
-    assert "(proxy_flow_grpo_kl4 vs proxy_flow_grpo) | 5, 5 | 1,100 | 500 | +600 +- 100 | **supported** |" in table
+    # every seed of KL 0.4 is read at NFE 1,000 (the other seeds' peak), of KL 0.04 at 500
+    assert "(proxy_flow_grpo_kl4 vs proxy_flow_grpo) | 5, 5 | 1,000 | 500 | +500 [+500, +500] | **supported** |" in table
     made = {f: (tmp_path / f).read_bytes() for f in ("hacking.md", "hacking.png")}
     assert subprocess.run(cmd, capture_output=True, timeout=120).returncode == 0
     assert {f: (tmp_path / f).read_bytes() for f in made} == made
