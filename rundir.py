@@ -313,9 +313,14 @@ class Run:
                 if hasattr(fn, "breakdown"):  # GenEval's accuracies per tag
                     every = [self.eval_prompts[k % len(self.eval_prompts)] for k in range(args.eval_num)]
                     scores.update(fn.breakdown(scores, every))
+            held = held_out_rewards(args)  # rewards scored, not trained on: the over-rating and the drift
+            small = gather_cat(thumbnails(images).to(self.device)).cpu()[:args.eval_num] if held else None
             if self.rank == 0:
                 means = {f"eval/{k}": v.mean() for k, v in scores.items()}
                 with stop_on_write_error(self.run_dir):
+                    if held:
+                        means.update(over_rating_metrics(self.run_dir, iteration, scores, small, held=held,
+                                                         weights=self.weights))
                     log_metrics(self.writer, self.run_dir, iteration, means, per_sample=scores)
                     save_eval_grid(self.run_dir, iteration, images, prompts, local)
         return iteration, self.reward(scores).item()
@@ -820,6 +825,89 @@ def change_line(before: list, after: list) -> str:
     return f"{means} ({d:+.{k}f} +- {se:.{k}f}, {d / se if se > 0 else 0:+.1f} SE): {verdict}"
 
 
+def held_out_rewards(args) -> list[str]:
+    """The rewards a run evaluates but does not train on (--eval-rewards less --rewards)."""
+    return [k for k in dict.fromkeys(args.eval_rewards) if k not in args.rewards]
+
+
+def thumbnails(images: torch.Tensor) -> torch.Tensor:
+    """Images [..., 3, H, W] in [0, 1] area-averaged to 32 x 32, in 8 bits: what the drift compares."""
+    x = images.float()
+    small = torch.nn.functional.interpolate(x.reshape(-1, *x.shape[-3:]), size=(32, 32), mode="area")
+    return (small.clamp(0, 1) * 255).round().to(torch.uint8).reshape(*x.shape[:-2], 32, 32)
+
+
+def over_rating(base: dict, now: dict, held: str, *, weights: dict) -> tuple[float, float]:
+    """The training objective's change (the weighted mean of the training rewards, as Run.reward, per pair)
+    minus the held-out reward's change, from `base` to `now` ({reward: every pair's score}): its mean over the
+    pairs and its paired standard error."""
+    def trained(e):
+        return sum(w * torch.as_tensor(e[k]).double() for k, w in weights.items()) / sum(weights.values())
+
+    def change(k):
+        return torch.as_tensor(now[k]).double() - torch.as_tensor(base[k]).double()
+    d = trained(now) - trained(base) - change(held)
+    return float(d.mean()), float(d.std() / math.sqrt(len(d)))
+
+
+def over_rating_metrics(run_dir: str, iteration: int, scores: dict, small: torch.Tensor, *, held: list,
+                        weights: dict) -> dict:
+    """What the reward-hacking comparison measures (docs/results.md), logged at every evaluation of a run that
+    scores rewards it does not train on: eval/over_rating/<held-out reward> (over_rating since the base
+    evaluation) with its paired SE (..._se), and eval/drift: per pair, the root mean square difference between
+    this evaluation's image and the base model's image of the same prompt and noise, both area-averaged to
+    32 x 32 in [0, 1] units (thumbnails); its mean over the pairs, with its SE. The base evaluation (iteration
+    0) keeps its thumbnails in <run_dir>/drift_base.pt; without a base evaluation nothing is measured."""
+    path, base_scores = os.path.join(run_dir, "drift_base.pt"), os.path.join(run_dir, "eval_0.json")
+    if iteration == 0:
+        buffer = io.BytesIO()
+        torch.save(small, buffer)
+        write_atomically(path, buffer.getvalue())
+        return {}
+    if not (os.path.isfile(path) and os.path.isfile(base_scores)):
+        return {}
+    base, out = json.load(open(base_scores)), {}
+    for k in held:
+        d, se = over_rating(base, scores, k, weights=weights)
+        out[f"eval/over_rating/{k}"], out[f"eval/over_rating/{k}_se"] = d, se
+    before = torch.load(path, weights_only=True)
+    if before.shape == small.shape:
+        per_pair = ((small.double() - before.double()) / 255).pow(2).flatten(1).mean(1).sqrt()
+        out["eval/drift"] = float(per_pair.mean())
+        out["eval/drift_se"] = float(per_pair.std() / math.sqrt(len(per_pair)))
+    return out
+
+
+def over_rating_lines(run_dir: str, evals: list, *, args, weights: dict) -> list[str]:
+    """A line per held-out reward: the evaluations at which the over-rating exceeds 2 paired SE (or its last
+    value) and the one where the held-out reward peaked (the checkpoint to keep); then one with the drift."""
+    held = held_out_rewards(args)
+    if not held or 0 not in evals or len(evals) < 2:
+        return []
+    e = {i: json.load(open(os.path.join(run_dir, f"eval_{i}.json"))) for i in evals}
+    out = []
+    for k in held:
+        over = {i: over_rating(e[0], e[i], k, weights=weights) for i in evals[1:]}
+        beyond = [i for i, (d, se) in over.items() if d > 2 * se]
+        last = beyond[-1] if beyond else evals[-1]
+        (d, se), p = over[last], max(4, decimals(over[last][1]))
+        at = ", ".join(map(str, beyond))
+        told = f"exceeds 2 paired SE at iterations {at}" if beyond else "never exceeds 2 paired SE"
+        peak = max(evals, key=lambda j: (sum(e[j][k]) / len(e[j][k]), -j))
+        kept = os.path.isdir(os.path.join(run_dir, "checkpoints", f"iter_{peak}"))
+        keep = f"checkpoints/iter_{peak}" if kept else "none saved there (--save-every)"
+        keep = "the base model" if peak == 0 else keep
+        out.append(f"  over-rating (training reward's gain minus {k}'s): {told} ({d:+.{p}f} +- {se:.{p}f} at "
+                   f"{last}); {k} peaked at iteration {peak} ({sum(e[peak][k]) / len(e[peak][k]):.4f}), the "
+                   f"checkpoint to keep: {keep}")
+    rows = [r for r in read_jsonl(os.path.join(run_dir, "metrics.jsonl")) if "eval/drift" in r]
+    if rows:
+        r, p = rows[-1], max(4, decimals(rows[-1]["eval/drift_se"]))
+        out.append(f"  drift from the base model (RMS difference of the pairs' images, 32 x 32, in [0, 1]): "
+                   f"{r['eval/drift']:.{p}f} +- {r['eval/drift_se']:.{p}f} at iteration {r['iteration']}")
+    return out
+
+
 def run_summary(run_dir: str, *, args, pipe, weights: dict, seconds: float) -> str:
     """What a run did (metrics.jsonl, eval_<i>.json): each reward at the first and last evaluation with the
     change's paired standard error, time, NFE, sample grids, the checkpoint and how diffusers loads it."""
@@ -840,6 +928,7 @@ def run_summary(run_dir: str, *, args, pipe, weights: dict, seconds: float) -> s
                    f"{evals[0]} -> {evals[-1]}, change +- paired standard error:")
         for name in ["training reward", *[k for k in e1 if k != "training reward"]]:
             out.append(f"  {name:>20}: {change_line(e0[name], e1[name])}")
+        out += over_rating_lines(run_dir, evals, args=args, weights=weights)
     samples = os.path.abspath(os.path.join(run_dir, "samples"))
     grids = sorted(os.listdir(samples), key=iteration_of) if os.path.isdir(samples) else []
     if grids:
