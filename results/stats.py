@@ -12,9 +12,9 @@ The interval is the percentile interval of all resamples, none left out (a resam
 reaches a target counts at the least and at the most that its runs allow, see `interval`), widened for few seeds:
 each half of it, from the resamples' median to its 2.5th and 97.5th percentiles, is stretched by
 c = sqrt(n / (n - 1)) t_{n-1}(0.975) / z(0.975), n the smallest seed count of the configurations involved.
-For a mean of n seeds that is the t interval (for normal seeds, pairs aside): the bootstrap's spread is the seeds' SD over sqrt(n) times
-sqrt((n - 1) / n) (Hesterberg 2015, "What teachers should know about the bootstrap", who widens the percentile
-interval by the same two factors), and the percentiles keep what is skewed in a ratio or a peak.
+For a mean of n normal seeds (pairs aside) that is the t interval: the bootstrap's spread is the seeds' SD over
+sqrt(n) times sqrt((n - 1) / n) (Hesterberg 2015, "What teachers should know about the bootstrap", widens the
+percentile interval by the same two factors), and the percentiles keep what is skewed in a ratio or a peak.
 c = 1.22 for 10 seeds, 1.58 for 5, 2.69 for 3. Ratios and times are stretched on the log scale.
 
 A claim is resolved only by such an interval: "better" when the interval of a - b lies above 0, "comparable" when

@@ -68,8 +68,8 @@ def test_the_summary_says_when_the_over_rating_exceeds_2_se_and_where_to_stop(tm
 
 def test_a_run_logs_the_over_rating_and_the_drift_at_each_evaluation(tiny, tmp_path):
     """Two iterations of flow_grpo.py (full fine-tuning, a large step) trained on jpeg and scored on
-    toy_color_position too: each evaluation after the base one logs the over-rating against toy_color_position (equal to the one from its eval files) and the
-    drift; the summary says both."""
+    toy_color_position too: each evaluation after the base one logs the over-rating against toy_color_position
+    (equal to the one from its eval files) and the drift; the summary says both."""
     prompts = tmp_path / "toy.txt"
     prompts.write_text("a red circle on the left\na blue square on the top\n")
     out = run_script("flow_grpo.py", tiny_flags(tiny["flux"], str(prompts), tmp_path / "run", eval_every=1,

@@ -2,6 +2,7 @@
 seeds, the intervals' coverage and their ends where a statistic is only bounded, the verdicts; and the committed
 tables rebuilt from raw/, with one interval recomputed here by hand from the raw runs."""
 import glob
+import re
 import json
 import math
 import os
@@ -112,7 +113,8 @@ def test_the_hacking_table_rebuilds_from_raw_and_one_interval_by_hand(tmp_path):
     for path in sorted(glob.glob(os.path.join(ROOT, "results", "hacking", "raw", "proxy_dgpo__seed*.json"))):
         evals = json.load(open(path))["evals"]
         first, last = evals["0"], evals[str(max(map(int, evals)))]
-        score = lambda e: np.array(e["toy_proxy"]) - (np.array(e["toy_color_position"]) + np.array(e["toy_shape_count"])) / 2  # noqa: E731
+        def score(e):  # the proxy minus gold, (a + b) / 2
+            return np.array(e["toy_proxy"]) - (np.array(e["toy_color_position"]) + np.array(e["toy_shape_count"])) / 2
         over.append(score(last) - score(first))
     over = np.array(over)
     n, pairs, resamples = *over.shape, 10_000
@@ -141,3 +143,38 @@ def test_the_comparison_tables_rebuild_from_raw(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     for name in ("headline.md", "tables.md"):
         assert (out / name).read_text() == open(os.path.join(ROOT, "results", "compare", name)).read(), name
+
+
+def test_the_docs_variance_decomposition_rebuilds_from_raw():
+    """docs/results.md's three SEs of Flow-GRPO's change at the end of its 10 equal-compute seeds: the two-way
+    analysis of variance of the per-pair changes (seeds x pairs, crossed), the pigeonhole bootstrap's SD, and the SE
+    over seeds with the pairs held fixed."""
+    y = []
+    for path in sorted(glob.glob(os.path.join(ROOT, "results", "compare", "equal", "raw", "flow_grpo__seed[0-9].json"))):
+        evals = json.load(open(path))["evals"]
+        gold = lambda e: (np.array(e["toy_color_position"]) + np.array(e["toy_shape_count"])) / 2  # noqa: E731
+        y.append(gold(evals[str(max(map(int, evals)))]) - gold(evals["0"]))
+    y = np.array(y)
+    n, p = y.shape
+    seeds, pairs, grand = y.mean(1), y.mean(0), y.mean()
+    ms_seeds = p * ((seeds - grand) ** 2).sum() / (n - 1)
+    ms_pairs = n * ((pairs - grand) ** 2).sum() / (p - 1)
+    ms_rest = ((y - seeds[:, None] - pairs[None] + grand) ** 2).sum() / ((n - 1) * (p - 1))
+    anova = math.sqrt((ms_seeds - ms_rest) / p / n + (ms_pairs - ms_rest) / n / p + ms_rest / (n * p))
+    boot = stats.over_seeds(stats.on_pairs(y), "flow_grpo").std(ddof=1)
+    fixed = seeds.std(ddof=1) / math.sqrt(n)
+    docs = " ".join(open(os.path.join(ROOT, "docs", "results.md")).read().split())
+    assert (f"gives an SE of {anova:.4f}, the pigeonhole bootstrap an SD of {boot:.4f}, while the SE over seeds with "
+            f"the pairs held fixed, which the earlier tables used, is {fixed:.4f}") in docs
+
+
+def test_every_interval_the_docs_quote_is_in_a_rebuilt_table():
+    """Each 'value [low, high]' of README.md and docs/results.md (a change, a difference, a KL, a speed-up) is one of
+    the tables that results/compare.py and results/hacking.py rebuild from raw/: no interval of their own."""
+    tables = "".join(open(os.path.join(ROOT, "results", *p)).read() for p in
+                     (("compare", "headline.md"), ("compare", "tables.md"), ("hacking", "hacking.md")))
+    number = r"[+-]?[\d,]*\.?\d+x?"
+    for page in ("README.md", os.path.join("docs", "results.md")):
+        text = " ".join(open(os.path.join(ROOT, page)).read().split())
+        quoted = re.findall(rf"{number} \[{number}, {number}\]", text)
+        assert len(quoted) >= 10 and [q for q in quoted if q not in tables] == [], (page, quoted)
