@@ -170,8 +170,12 @@ def on_signal(signum, frame):
         return
     if STOP.get("bar") is not None:  # its last state printed now, not after this line
         STOP.pop("bar").close()
-    ckpt = latest_checkpoint(STOP["run_dir"]) if STOP["run_dir"] and os.path.isdir(STOP["run_dir"]) else None
-    kept = f"; its checkpoint {ckpt} resumes (--resume {STOP['run_dir']})" if ckpt else ""
+    run_dir = STOP["run_dir"] if STOP["run_dir"] and os.path.isdir(STOP["run_dir"]) else None
+    ckpt = latest_checkpoint(run_dir) if run_dir else None
+    kept = f"; its checkpoint {ckpt} resumes (--resume {run_dir})" if ckpt else ""
+    if run_dir and not ckpt and STOP["iterating"]:  # a new run's first iteration: nothing to resume
+        discard_new_run(run_dir, writer=None, resumed=False)
+        kept = f"; no iteration was saved yet, so {run_dir} is removed"
     print(f"\nstopped by {name}{' again' * (STOP['signal'] is not None)}{kept}", file=sys.stderr, flush=True)
     raise SystemExit(128 + signum)
 

@@ -115,6 +115,11 @@ def test_nothing_is_left_of_a_run_stopped_or_failed_before_its_first_iteration(t
     assert proc.returncode == 130 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert proc.stderr.strip().splitlines()[-1] == "stopped by SIGINT"
     assert os.listdir(out) == []
+    first = interrupted(tmp_path, tiny_flags(tiny["flux"], tiny["prompts"], out, **FLAGS), where="update",
+                        at_iteration=0, times=2)  # twice in the first iteration: nothing saved yet
+    assert first.returncode == 130 and first.stderr.strip().splitlines()[-1].startswith(
+        "stopped by SIGINT again; no iteration was saved yet, so ")
+    assert os.listdir(out) == []
     broken = tmp_path / "not-a-pipeline"
     broken.mkdir()
     (broken / "model_index.json").write_text("{}")
