@@ -526,10 +526,11 @@ def value_at(X, Y, x):
     return out
 
 
-def first_reach(X, Y, target):
-    """[R]: the first x at which each mean curve (X[r], Y[r]) reaches target[r], linear between evaluations (NaN
-    where it never does; 1e-12 of slack for a target read off the curve itself)."""
-    out, target = np.full(len(X), np.nan), np.asarray(target, dtype=np.float64) - 1e-12
+def first_reach(X, Y, target, *, slack: float = 1e-12):
+    """[R]: the first x at which each mean curve (X[r], Y[r]) reaches target[r] (a number: every curve's),
+    linear between evaluations (NaN where it never does; `slack` for a target read off the curve itself)."""
+    out = np.full(len(X), np.nan)
+    target = np.broadcast_to(np.asarray(target, dtype=np.float64) - slack, (len(X),))
     for e in range(X.shape[1]):
         hit = np.isnan(out) & (Y[:, e] >= target)
         if e == 0:

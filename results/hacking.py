@@ -145,15 +145,7 @@ def matched(xs, *, config, axis: str, level: float):
 
 def at_level(X, Y, level):
     """[R]: Y where each curve X[r] first reaches level (linear between evaluations), NaN where it never does."""
-    out = np.full(len(X), np.nan)
-    for e in range(X.shape[1]):
-        hit = np.isnan(out) & (X[:, e] >= level)
-        if e == 0:
-            out[hit] = Y[hit, 0]
-            continue
-        x0, x1, y0, y1 = X[hit, e - 1], X[hit, e], Y[hit, e - 1], Y[hit, e]
-        out[hit] = y0 + (y1 - y0) * np.clip((level - x0) / np.maximum(x1 - x0, 1e-300), 0, 1)
-    return out
+    return compare.first_reach(Y, X, level, slack=0.0)
 
 
 def cell(m, *, digits=4, sign="+"):
