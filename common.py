@@ -1,7 +1,8 @@
 """The module the algorithm files share: what each of them may treat as a black box, as plain functions, in
 the order a port to another code base needs.
 
-0. fail: a one-line error instead of a traceback
+0. fail: a one-line error instead of a traceback; parse_json (data from outside, within bounds), shown (a
+   value from outside in a message, short and escaped)
 1. Samplers, mini-batches and CoCA's credit: shifted_sigmas, dpm2_step (DiffusionNFT's sampler),
    dpm_schedule, dpm_solver (DGPO's), sa_solver_update, sa_solver (AWM's), training_minibatches, rank_chunks,
    micro_batches (each rank's training terms), coca_credit (flow_grpo.py --credit coca; here so that its four
@@ -23,9 +24,12 @@ import contextlib
 import dataclasses
 import gc
 import io
+import itertools
 import json
 import math
 import os
+import re
+import reprlib
 import sys
 
 import numpy as np
@@ -35,7 +39,7 @@ import torch.distributed as dist
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-# ======== 0. Errors ========
+# ======== 0. Errors and data from outside ========
 def fail(message: str):
     """Stop with a one-line error (no traceback): bad input says what was wrong and what is allowed."""
     raise SystemExit(f"error: {message}")
@@ -70,6 +74,54 @@ except ModuleNotFoundError as e:
     if e.name != "models":
         raise
     fail(missing_file("models"))
+
+
+JSON_DEPTH, JSON_DIGITS = 32, 64  # outside JSON: nested arrays / objects, an integer's digits (parse_json)
+
+
+def parse_json(data: str | bytes, *, limit: int = 1 << 20, depth: int = JSON_DEPTH):
+    """JSON from outside (a file, a server's answer, a prompt row) within bounds checked before json.loads
+    recurses or converts: at most `limit` bytes (characters), `depth` nested arrays and objects, integers of
+    JSON_DIGITS digits. Else ValueError saying which bound (JSONDecodeError, UnicodeDecodeError: no JSON, no
+    UTF-8). rewards.py has a copy (it imports nothing of the project; tests/test_hostile.py: they agree)."""
+    if len(data) > limit:
+        raise ValueError(f"{len(data):,} bytes, more than {limit:,}")
+    text = data.decode("utf-8") if isinstance(data, (bytes, bytearray)) else data
+    bare = re.sub(r'"[^"]*"', "", re.sub(r"\\.", "", text, flags=re.S))  # escapes, then strings out
+    brackets = re.sub(r"[^][{}]", "", bare)
+    if max(itertools.accumulate(1 if c in "[{" else -1 for c in brackets), default=0) > depth:
+        raise ValueError(f"nested deeper than {depth} levels")
+    return json.loads(text, parse_int=_bounded_int)
+
+
+def _bounded_int(digits: str) -> int:
+    if len(digits.lstrip("-")) > JSON_DIGITS:
+        raise ValueError(f"an integer of {len(digits.lstrip('-')):,} digits, more than {JSON_DIGITS}")
+    return int(digits)
+
+
+class _Short(reprlib.Repr):
+    """reprlib's bounded repr (strings and containers cut, nesting cut at 3 levels) that never converts a huge
+    integer to text (Python refuses beyond 4,300 digits, and takes quadratic time below)."""
+
+    def repr_int(self, x, level):
+        return repr(x) if abs(x) < 10**40 else f"<an integer of {x.bit_length():,} bits>"
+
+    def repr_bytes(self, x, level):
+        return repr(x[:self.maxstring]) + ("..." if len(x) > self.maxstring else "")
+
+
+_SHORT = _Short()
+_SHORT.maxstring, _SHORT.maxother, _SHORT.maxlevel = 60, 60, 2
+_SHORT.maxlist = _SHORT.maxtuple = _SHORT.maxdict = _SHORT.maxset = 4
+
+
+def shown(value) -> str:
+    """A value from outside, for a message: its repr cut short (60 characters of a string or bytes, 4 items of
+    a container, 2 levels; 160 characters in all), control characters escaped: no terminal escape reaches the
+    screen."""
+    text = _SHORT.repr(value)
+    return text if len(text) <= 160 else text[:157] + "..."
 
 
 # ======== 1. Samplers, mini-batches, CoCA's credit (torch only) ========
