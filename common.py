@@ -80,10 +80,9 @@ JSON_DEPTH, JSON_DIGITS = 32, 64  # outside JSON: nested arrays / objects, an in
 
 
 def parse_json(data: str | bytes, *, limit: int = 1 << 20, depth: int = JSON_DEPTH):
-    """JSON from outside (a file, a server's answer, a prompt row) within bounds checked before json.loads
-    recurses or converts: at most `limit` bytes (characters), `depth` nested arrays and objects, integers of
-    JSON_DIGITS digits. Else ValueError saying which bound (JSONDecodeError, UnicodeDecodeError: no JSON, no
-    UTF-8). rewards.py has a copy (it imports nothing of the project; tests/test_hostile.py: they agree)."""
+    """JSON from outside (a file, a server's answer, a prompt row) within `limit` bytes, `depth` nested arrays
+    and objects and JSON_DIGITS-digit integers, checked before json.loads recurses or converts; else
+    ValueError saying which. rewards.py has a copy (a leaf module; tests/test_hostile.py checks it)."""
     if len(data) > limit:
         raise ValueError(f"{len(data):,} bytes, more than {limit:,}")
     text = data.decode("utf-8") if isinstance(data, (bytes, bytearray)) else data
@@ -100,27 +99,10 @@ def _bounded_int(digits: str) -> int:
     return int(digits)
 
 
-class _Short(reprlib.Repr):
-    """reprlib's bounded repr (strings and containers cut, nesting cut at 3 levels) that never converts a huge
-    integer to text (Python refuses beyond 4,300 digits, and takes quadratic time below)."""
-
-    def repr_int(self, x, level):
-        return repr(x) if abs(x) < 10**40 else f"<an integer of {x.bit_length():,} bits>"
-
-    def repr_bytes(self, x, level):
-        return repr(x[:self.maxstring]) + ("..." if len(x) > self.maxstring else "")
-
-
-_SHORT = _Short()
-_SHORT.maxstring, _SHORT.maxother, _SHORT.maxlevel = 60, 60, 2
-_SHORT.maxlist = _SHORT.maxtuple = _SHORT.maxdict = _SHORT.maxset = 4
-
-
 def shown(value) -> str:
-    """A value from outside, for a message: its repr cut short (60 characters of a string or bytes, 4 items of
-    a container, 2 levels; 160 characters in all), control characters escaped: no terminal escape reaches the
-    screen."""
-    text = _SHORT.repr(value)
+    """A value from outside (text, bytes, parse_json's values) for a message: reprlib's short repr, at most
+    160 characters, control characters escaped: no terminal escape sequence reaches the screen."""
+    text = reprlib.repr(value)
     return text if len(text) <= 160 else text[:157] + "..."
 
 
@@ -693,6 +675,9 @@ def score(rewards: dict, images, prompts, *, evaluation: bool = False) -> dict:
     return out
 
 
+PROMPT_LINE = 1 << 20  # characters a line of a prompt file may have
+
+
 class Prompt(str):
     """A prompt of a .jsonl file: the text, with its line's JSON object as .metadata (GenEval's tag, include,
     exclude), which indexing, grouping and sharding keep; rewards.py reads it."""
@@ -720,27 +705,40 @@ def load_prompt_set(path: str, *, split: str = "train", rewards=()) -> list[str]
     if not os.path.isfile(path):
         fail(f"prompt file {path!r} does not exist; docs/rewards.md 'Prompt sets' says where each paper's "
              f"prompts come from (or pass any text file with one prompt per line)")
+    lines = []
     try:
         with open(path, encoding="utf-8") as f:
-            lines = [(n, line.strip()) for n, line in enumerate(f, 1) if line.strip()]
+            while line := f.readline(PROMPT_LINE + 1):  # a line at most PROMPT_LINE long: never a whole file
+                if len(line) > PROMPT_LINE:
+                    fail(f"line {len(lines) + 1} of prompt file {path!r} is longer than {PROMPT_LINE:,} "
+                         f"characters; a prompt per line")
+                lines.append(line.strip())
     except UnicodeDecodeError as e:
         fail(f"prompt file {path!r} is not UTF-8 text (byte {e.start}); save it as UTF-8, a prompt per line")
-    if not path.endswith(".jsonl"):
-        prompts = [line for _, line in lines]
-    else:
-        prompts = []
-        for n, line in lines:
+    lines = [(n, line) for n, line in enumerate(lines, 1) if line]
+    prompts = []
+    for n, line in lines:
+        row = None
+        if path.endswith(".jsonl"):
             try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                row = None
+                row = parse_json(line)
+            except ValueError as e:  # no JSON, or beyond parse_json's bounds
+                row = "" if isinstance(e, json.JSONDecodeError) else f" ({e})"
             if not isinstance(row, dict) or "prompt" not in row:
-                fail(f"line {n} of prompt file {path!r} is not a JSON object with a prompt field; each line "
-                     f"of a .jsonl file must be one")
+                fail(f"line {n} of prompt file {path!r} is not a JSON object with a prompt field"
+                     f"{row if isinstance(row, str) else ''}; each line of a .jsonl file must be one")
             if not isinstance(row["prompt"], str) or not row["prompt"].strip():
                 fail(f"line {n} of prompt file {path!r} has the prompt {json.dumps(row['prompt'])[:60]}; a "
                      f"prompt must be a non-empty string")
-            prompts.append(Prompt(row["prompt"], row))
+        text = row["prompt"] if row else line
+        bad = re.search(r"[\x00-\x08\x0a-\x1f\x7f-\x9f\ud800-\udfff]", text)
+        if bad:
+            char = bad.group()
+            what = "a NUL character" if char == "\0" else "a lone surrogate" if char >= "\ud800" else \
+                "a control character"
+            fail(f"line {n} of prompt file {path!r} has {what} ({shown(char)}) in its prompt; a prompt is "
+                 f"text: no control character but tab, no lone surrogate")
+        prompts.append(Prompt(text, row) if row else text)
     if not prompts:
         fail(f"prompt file {path!r} is empty; it needs at least one prompt (one per line)")
     if {"ocr", "geneval"} & set(rewards):
@@ -838,40 +836,39 @@ def parse_args(args_class, *, toy: dict, description: str):
         sys.exit(0)
 
 
-# what each numeric argument of the entry points allows: "> a", ">= a" or an interval (each value of a tuple)
+# what each numeric argument of the entry points allows (each value of a tuple), finite both ways; the upper
+# bounds stop what would break later (a deadline past any clock, a clip range past float32, a tiny shift)
 ARG_RANGES = {
-    "seed": ">= 0", "resolution": ">= 1", "max_sequence_length": ">= 1", "guidance": ">= 0",
-    "reward_weights": "> 0", "num_steps": ">= 1", "eval_steps": ">= 1", "group_size": ">= 2",
-    "prompts_per_iteration": ">= 1", "micro_batch": ">= 1", "noise_level": ">= 0", "shift": "> 0",
-    "timestep_fraction": "(0, 1]", "adv_eps": ">= 0", "adv_clip": "> 0", "clip_range": "> 0", "beta": ">= 0",
-    "lora_rank": ">= 1", "lora_alpha": "> 0", "learning_rate": "> 0", "weight_decay": ">= 0",
-    "max_grad_norm": "> 0", "updates_per_iteration": ">= 1", "ema_decay": "[0, 1)", "ema_every": ">= 1",
-    "num_iterations": ">= 1", "eval_every": ">= 0", "eval_num": ">= 1", "save_every": ">= 0",
-    "keep_checkpoints": ">= 0", "log_images_every": ">= 0", "reward_timeout": "> 0", "reward_retries": ">= 0",
-    "threads": ">= 1",
-    # algorithm specific: CoCA, DenseGRPO, G2RPO, MixGRPO, DiffusionNFT, AWM
-    "coca_window": ">= 1", "coca_alpha": "[0, 1]", "dense_ode_steps": ">= 1", "eps1": "> 0", "eps2": "> 0",
-    "psi_range": "[0, 10]", "sde_steps": ">= 0", "lambdas": ">= 1", "window_size": ">= 1",
-    "window_stride": ">= 0", "window_shift_interval": ">= 1", "flash_compress": "(0, 1]",
-    "nft_beta": "> 0", "decay_type": "[0, 2]",  # DiffusionNFT
-    "train_timesteps": ">= 1", "advantage_max": "> 0", "ghuber_power": "> 0", "ema_beta": ">= 0",  # AWM
-    "kl_ema_decay": "[0, 1]", "flow_shift": "> 0", "trunc_steps": ">= 0", "beta_dpo": "> 0",  # DGPO
-    "switch_ema_ref": ">= 0", "kl_threshold": ">= 0",  # Flow-DPPO
+    "seed": "[0, 1e12]", "resolution": "[1, 16384]", "max_sequence_length": "[1, 65536]",
+    "guidance": "[0, 100]", "reward_weights": "(0, 1e6]", "num_steps": "[1, 1000]", "eval_steps": "[1, 1000]",
+    "group_size": "[2, 4096]", "prompts_per_iteration": "[1, 1e6]", "micro_batch": "[1, 1e6]",
+    "noise_level": "[0, 10]", "shift": "[0.01, 100]", "timestep_fraction": "(0, 1]", "adv_eps": "[0, 1]",
+    "adv_clip": "(0, 1e6]", "clip_range": "(0, 100]", "beta": "[0, 1e6]", "lora_rank": "[1, 65536]",
+    "lora_alpha": "(0, 1e6]", "learning_rate": "(0, 1]", "weight_decay": "[0, 100]",
+    "max_grad_norm": "(0, 1e9]", "updates_per_iteration": "[1, 1e6]", "ema_decay": "[0, 1)",
+    "ema_every": "[1, 1e9]", "num_iterations": "[1, 1e9]", "eval_every": "[0, 1e9]", "eval_num": "[1, 1e7]",
+    "save_every": "[0, 1e9]", "keep_checkpoints": "[0, 1e9]", "log_images_every": "[0, 1e9]",
+    "reward_timeout": "(0, 86400]", "reward_retries": "[0, 100]", "threads": "[1, 4096]",
+    # algorithm specific: CoCA, DenseGRPO, G2RPO, MixGRPO, DiffusionNFT, AWM, DGPO, Flow-DPPO
+    "coca_window": "[1, 1000]", "coca_alpha": "[0, 1]", "dense_ode_steps": "[1, 1000]", "eps1": "(0, 1e4]",
+    "eps2": "(0, 10]", "psi_range": "[0, 10]", "sde_steps": "[0, 1000]", "lambdas": "[1, 1000]",
+    "window_size": "[1, 1000]", "window_stride": "[0, 1000]", "window_shift_interval": "[1, 1e9]",
+    "flash_compress": "(0, 1]", "nft_beta": "(0, 100]", "decay_type": "[0, 2]",
+    "train_timesteps": "[1, 1000]", "advantage_max": "(0, 1e6]", "ghuber_power": "(0, 10]",
+    "ema_beta": "[0, 1e6]", "kl_ema_decay": "[0, 1]", "flow_shift": "[0.01, 100]", "trunc_steps": "[0, 1000]",
+    "beta_dpo": "(0, 1e5]", "switch_ema_ref": "[0, 1e9]", "kl_threshold": "[0, 1e6]",
     # evaluate.py
-    "num_prompts": ">= 1", "seeds_per_prompt": ">= 1", "steps": ">= 1",
+    "num_prompts": "[1, 1e7]", "seeds_per_prompt": "[1, 1e4]", "steps": "[1, 1000]",
 }
 
 
 def in_range(value, rule: str) -> bool:
-    """A finite number (not a bool) that satisfies `rule`: "> a", ">= a", "(a, b]", "[a, b]", "[a, b)"..."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    """A finite number (not a bool, no integer beyond any float) within `rule`: "(a, b]", "[a, b)" ..."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not abs(value) <= 1e300:  # NaN too
         return False
-    if rule[0] in "([":
-        low, high = (float(x) for x in rule[1:-1].split(","))
-        above = low <= value if rule[0] == "[" else low < value
-        return above and (value <= high if rule[-1] == "]" else value < high)
-    op, bound = rule.split()
-    return value >= float(bound) if op == ">=" else value > float(bound)
+    low, high = (float(x) for x in rule[1:-1].split(","))
+    above = low <= value if rule[0] == "[" else low < value
+    return above and (value <= high if rule[-1] == "]" else value < high)
 
 
 def check_ranges(args, ranges: dict):
@@ -881,8 +878,7 @@ def check_ranges(args, ranges: dict):
         value = getattr(args, name, None)
         for v in value if isinstance(value, tuple) else [value]:
             if v is not None and not isinstance(v, str) and not in_range(v, rule):
-                allowed = f"in {rule}" if rule[0] in "([" else rule
-                fail(f"--{name.replace('_', '-')} {v} is not allowed; use a value {allowed}")
+                fail(f"--{name.replace('_', '-')} {shown(v)} is not allowed; use a value in {rule}")
 
 
 def check_output_path(path: str, *, flag: str, directory: bool):
@@ -928,10 +924,15 @@ def setup_distributed():
     a shell; bad values; no peer within RENDEZVOUS_TIMEOUT s) stops in one line."""
     from datetime import timedelta
     env = {k: os.environ.get(k) for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    numbers = {k: int(v) if v is not None and v.strip().isdigit() else v for k, v in env.items()}
-    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_PORT"):
-        if numbers[k] is not None and not isinstance(numbers[k], int):
-            fail(f"{k}={env[k]!r} in the environment is not a number; launch with torchrun, or unset it")
+    numbers = {k: int(v) if v and re.fullmatch(r"\s*[0-9]{1,9}\s*", v) else v for k, v in env.items()}
+    for k, low, high in ("WORLD_SIZE", 1, 10**6), ("RANK", 0, 10**6), ("LOCAL_RANK", 0, 10**6), \
+            ("MASTER_PORT", 1, 65535):
+        if numbers[k] is not None and not (isinstance(numbers[k], int) and low <= numbers[k] <= high):
+            fail(f"{k}={shown(env[k])} in the environment is not a number in [{low}, {high}]; launch with "
+                 f"torchrun, or unset it")
+    wait = os.environ.get("RENDEZVOUS_TIMEOUT", str(RENDEZVOUS_TIMEOUT))
+    if not re.fullmatch(r"\s*[0-9]{1,9}(\.[0-9]{0,9})?\s*", wait) or not 0 < float(wait) <= 86400:
+        fail(f"RENDEZVOUS_TIMEOUT={shown(wait)} in the environment is not a number of seconds in (0, 86400]")
     world = numbers["WORLD_SIZE"] if numbers["WORLD_SIZE"] is not None else 1
     local_rank = numbers["LOCAL_RANK"] or 0
     device = torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
@@ -944,7 +945,7 @@ def setup_distributed():
             fail(f"RANK={numbers['RANK']} is not below WORLD_SIZE={world}; launch with torchrun")
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        wait = float(os.environ.get("RENDEZVOUS_TIMEOUT", RENDEZVOUS_TIMEOUT))
+        wait = float(wait)
         try:  # the rendezvous first, bounded: the other ranks must join within `wait` seconds
             store, rank, _ = next(dist.rendezvous("env://", timeout=timedelta(seconds=wait)))
         except (RuntimeError, ValueError, OSError) as e:

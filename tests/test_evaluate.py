@@ -248,12 +248,12 @@ def test_bad_inputs_give_one_line_errors(tmp_path):
         (dict(prompts=p(root, "missing.txt")),
          f"prompt file '{p(root, 'missing.txt')}' does not exist; docs/rewards.md 'Prompt sets' says where each paper's prompts "
          f"come from (or pass any text file with one prompt per line)"),
-        (dict(num_prompts=0), "--num-prompts 0 is not allowed; use a value >= 1"),
-        (dict(seeds_per_prompt=0), "--seeds-per-prompt 0 is not allowed; use a value >= 1"),
+        (dict(num_prompts=0), "--num-prompts 0 is not allowed; use a value in [1, 1e7]"),
+        (dict(seeds_per_prompt=0), "--seeds-per-prompt 0 is not allowed; use a value in [1, 1e4]"),
         (dict(num_prompts=3), f"--num-prompts 3 is more than the 2 prompts of '{p(root, 'prompts.txt')}'; pass fewer, "
          f"or none for all"),
-        (dict(steps=0), "--steps 0 is not allowed; use a value >= 1"),
-        (dict(guidance=float("nan")), "--guidance nan is not allowed; use a value >= 0"),
+        (dict(steps=0), "--steps 0 is not allowed; use a value in [1, 1000]"),
+        (dict(guidance=float("nan")), "--guidance nan is not allowed; use a value in [0, 100]"),
         (dict(checkpoints=(p(root, "cut"),)),
          f"--checkpoints '{p(root, 'cut')}': {p(root, 'cut', 'checkpoints', 'iter_2', 'lora', evaluate.LORA_FILE)} is "
          f"cut short or no safetensors file (228 bytes); export or copy it again"),

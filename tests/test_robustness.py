@@ -187,8 +187,22 @@ def free_port():
 @pytest.mark.parametrize("env,message", [
     ({"WORLD_SIZE": "2"}, "error: WORLD_SIZE=2 is set but RANK, MASTER_ADDR, MASTER_PORT not (left in the shell by "
                           "a torchrun run?); launch with torchrun, or unset WORLD_SIZE for one process"),
-    ({"WORLD_SIZE": "two"}, "error: WORLD_SIZE='two' in the environment is not a number; launch with torchrun, or "
-                            "unset it"),
+    ({"WORLD_SIZE": "two"}, "error: WORLD_SIZE='two' in the environment is not a number in [1, 1000000]; launch "
+                            "with torchrun, or unset it"),
+    ({"WORLD_SIZE": "0"}, "error: WORLD_SIZE='0' in the environment is not a number in [1, 1000000]; launch with "
+                          "torchrun, or unset it"),
+    ({"WORLD_SIZE": "9" * 5000}, "error: WORLD_SIZE='" + "9" * 12 + "..." + "9" * 13 + "' in the environment is not a "
+                                 "number in [1, 1000000]; launch with torchrun, or unset it"),
+    ({"MASTER_PORT": "70000"}, "error: MASTER_PORT='70000' in the environment is not a number in [1, 65535]; launch "
+                               "with torchrun, or unset it"),
+    ({"RANK": "\x1b[2J"}, "error: RANK='\\x1b[2J' in the environment is not a number in [0, 1000000]; launch with "
+                          "torchrun, or unset it"),
+    ({"RENDEZVOUS_TIMEOUT": "abc"}, "error: RENDEZVOUS_TIMEOUT='abc' in the environment is not a number of seconds "
+                                    "in (0, 86400]"),
+    ({"RENDEZVOUS_TIMEOUT": "inf"}, "error: RENDEZVOUS_TIMEOUT='inf' in the environment is not a number of seconds "
+                                    "in (0, 86400]"),
+    ({"RENDEZVOUS_TIMEOUT": "0"}, "error: RENDEZVOUS_TIMEOUT='0' in the environment is not a number of seconds "
+                                  "in (0, 86400]"),
     ({"WORLD_SIZE": "2", "RANK": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"},
      "error: RANK=2 is not below WORLD_SIZE=2; launch with torchrun"),
 ])
@@ -276,8 +290,9 @@ def test_evaluate_checks_that_every_export_fits_before_scoring_anything(tiny, tm
     evaluate.check_fits({"name": "x", "path": str(export), "weights": "transformer"}, base, "m")  # fits: no error
 
 
-@pytest.mark.parametrize("field,value,message", [("reward_timeout", 0.0, "--reward-timeout 0.0 is not allowed; use a value > 0"),
-                                                 ("reward_retries", -1, "--reward-retries -1 is not allowed; use a value >= 0")])
+@pytest.mark.parametrize("field,value,message", [("reward_timeout", 0.0, "--reward-timeout 0.0 is not allowed; use a value in (0, 86400]"),
+                                                 ("reward_timeout", 1e300, "--reward-timeout 1e+300 is not allowed; use a value in (0, 86400]"),
+                                                 ("reward_retries", -1, "--reward-retries -1 is not allowed; use a value in [0, 100]")])
 def test_the_reward_server_flags_are_checked(field, value, message):
     import dataclasses
 
