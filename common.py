@@ -650,6 +650,8 @@ def load_rewards(names, device, *, models: RewardModels, dtype=torch.float32) ->
             out[name] = import_sibling("rewards").load(name, device, models=models, dtype=dtype)
         elif name in REWARD_FUNCTIONS:
             out[name] = REWARD_FUNCTIONS[name]
+        elif name == "toy_proxy":  # the toy world's learned proxy (toy/proxy.py), its weights checked now
+            out[name] = import_sibling("toy.proxy").load_reward(device)
         else:  # the toy world's exact rewards (toy/world.py)
             world = import_sibling("toy.world")
             out[name] = getattr(world, {"toy_strict": "toy_strict_accuracy"}.get(name, name + "_reward"))
