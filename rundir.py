@@ -26,6 +26,7 @@ import re
 import shutil
 import sys
 import textwrap
+import threading
 import time
 
 import torch
@@ -634,8 +635,13 @@ def stop_on_write_error(run_dir: str, *, unfinished: str | None = None):
         yield
     except Exception as e:
         said = ("No space left", "Read-only file system")  # safetensors' writer says it in words
-        if not (isinstance(e, OSError) or any(s in str(e) for s in said)):
+        chain = [e]
+        while len(chain) < 8 and (chain[-1].__cause__ or chain[-1].__context__) is not None:
+            chain.append(chain[-1].__cause__ or chain[-1].__context__)
+        os_error = next((x for x in chain if isinstance(x, OSError)), None)  # torch.save's "unexpected pos"
+        if os_error is None and not any(s in str(e) for s in said):  # comes from the OSError of its write
             raise
+        e = os_error or e
         if unfinished:
             shutil.rmtree(unfinished, ignore_errors=True)
         ckpt = latest_checkpoint(run_dir) if os.path.isdir(run_dir) else None
@@ -664,9 +670,20 @@ def make_writer(run_dir: str, args, *, resume_iteration: int | None = None):
         wandb.init(project=args.wandb_project, sync_tensorboard=True, config=config,
                    name=os.path.basename(run_dir), save_code=True)
     writer = SummaryWriter(run_dir, purge_step=None if resume_iteration is None else resume_iteration + 1)
+    if not getattr(threading.excepthook, "quiet_writer", False):
+        threading.excepthook = functools.partial(quiet_writer_thread, threading.excepthook)
+        threading.excepthook.quiet_writer = True
     table = "\n".join(f"|{k}|{v}|" for k, v in config.items())
     writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + table)
     return writer
+
+
+def quiet_writer_thread(previous, args):
+    """threading.excepthook without the traceback of TensorBoard's writer thread when its write fails (a full
+    disk): the main thread raises the same error at its next log or close, which stop_on_write_error says in
+    one line."""
+    if not (type(args.thread).__name__ == "_AsyncWriterThread" and isinstance(args.exc_value, OSError)):
+        previous(args)
 
 
 def read_jsonl(path: str) -> list[dict]:
