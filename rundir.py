@@ -155,7 +155,7 @@ def check_model_directory(model: str):
             raise ValueError("a config.json holds no JSON object")
     except (OSError, ValueError, AttributeError) as e:
         fail(f"--model {model!r}: its model_index.json or a config.json cannot be read "
-             f"({shown(str(e))[1:-1]})")
+             f"({escaped(e)})")
     for name, (library, cls_name) in parts.items():
         config, misfit = configs[name], None
         if library == "transformers":
@@ -191,7 +191,7 @@ def diffusers_misfit(folder: str, cls_name: str, config: dict) -> str | None:
         for f in (os.path.join(folder, os.path.basename(f)) for f in files):
             found.update(safetensors_header(f) if os.path.isfile(f) else {})
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        return f"its weights cannot be read ({shown(str(e))[1:-1]})"
+        return f"its weights cannot be read ({escaped(e)})"
     if not found or not hasattr(diffusers, cls_name):  # (.bin weights, a class of another library: as loaded)
         return None
     cls = getattr(diffusers, cls_name)
@@ -199,15 +199,15 @@ def diffusers_misfit(folder: str, cls_name: str, config: dict) -> str | None:
         with torch.device("meta"):
             built = {k: tuple(v.shape) for k, v in cls.from_config(config).state_dict().items()}
     except Exception as e:  # a config no model can be built from
-        return f"its config.json builds no {cls_name} ({type(e).__name__}: {shown(str(e))[1:-1]})"
+        return f"its config.json builds no {cls_name} ({type(e).__name__}: {escaped(e)})"
     ignored = [re.compile(p) for p in (getattr(cls, "_keys_to_ignore_on_load_unexpected", None) or [])]
     missing = sorted(built.keys() - found.keys())
     unexpected = sorted(k for k in found.keys() - built.keys() if not any(p.search(k) for p in ignored))
     wrong = [k for k in sorted(built.keys() & found.keys()) if built[k] != found[k]]
     if missing or unexpected:
         return (f"its config builds {len(built)} tensors, its weights hold {len(found)} ({len(missing)} "
-                f"missing, e.g. {shown(missing[:1])[1:-1] or '-'}; {len(unexpected)} others, e.g. "
-                f"{shown(unexpected[:1])[1:-1] or '-'})")
+                f"missing, e.g. {first(missing)}; {len(unexpected)} others, e.g. "
+                f"{first(unexpected)})")
     if wrong:
         return (f"its weights hold {wrong[0]} of shape {list(found[wrong[0]])}, its config builds "
                 f"{list(built[wrong[0]])}")
@@ -951,8 +951,9 @@ def load_state(path: str, *, run: Run):
         try:  # each rank reads its own shards in place; a misfit fails on every rank
             dcp.load(shards, checkpoint_id=os.path.join(path, "dcp"))
         except Exception as e:
-            fail(f"checkpoint {path!r} does not fit this run ({type(e).__name__}: "
-                 f"{shown(str(e).strip()[:200])[1:-1]}); resume a checkpoint of this model and these weights")
+            why = escaped((str(e).strip().splitlines() or [""])[0])
+            fail(f"checkpoint {path!r} does not fit this run ({type(e).__name__}: {why}); resume a "
+                 f"checkpoint of this model and these weights")
         set_state_dict(transformer, optimizer, model_state_dict=shards["model"],
                        optim_state_dict=shards["optim"])
         saved_ema = None
@@ -972,7 +973,7 @@ def load_state(path: str, *, run: Run):
             optimizer.load_state_dict(state["optimizer"])
         except (ValueError, KeyError, TypeError, RuntimeError) as e:  # another optimizer's state
             fail(f"checkpoint {path!r} does not fit this run: its optimizer state ({type(e).__name__}: "
-                 f"{shown(str(e))[1:-1]}); resume a checkpoint of this model and these trainable weights")
+                 f"{escaped(e)}); resume a checkpoint of this model and these trainable weights")
         saved_ema = state["ema"]
         with torch.no_grad():
             for k, values in extra.items():
@@ -999,11 +1000,21 @@ def state_misfit(state, params: dict, *, extra: dict, ema: bool) -> str | None:
         wrong = [n for n in sorted(wanted.keys() & got.keys()) if wanted[n] != got[n]]
         if missing or unexpected:
             return (f"its {what} lack {len(missing)} of this run's {len(wanted)} tensors "
-                    f"({shown(missing[:1])[1:-1] or '-'}) and hold {len(unexpected)} others "
-                    f"({shown(unexpected[:1])[1:-1] or '-'})")
+                    f"({first(missing)}) and hold {len(unexpected)} others "
+                    f"({first(unexpected)})")
         if wrong:
             return f"its {what} hold {wrong[0]} of shape {got[wrong[0]]}, this run's is {wanted[wrong[0]]}"
     return None
+
+
+def escaped(text, n: int = 160) -> str:
+    """Text of a file or an error (which may quote a file), cut at n characters, control characters escaped"""
+    return repr(str(text)[:n])[1:-1]
+
+
+def first(names: list) -> str:
+    """The first of some names read from a file (tensors), escaped; '-' for none."""
+    return escaped(names[0], 100) if names else "-"
 
 
 def weights_fingerprint(module) -> str:

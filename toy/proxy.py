@@ -84,7 +84,8 @@ def load_proxy(path: str = WEIGHTS, device="cpu") -> ProxyNet:
     try:
         net.load_state_dict(load_file(path))
     except Exception as e:  # cut short, another format, another width
-        why = str(e).strip().splitlines()[-1].strip()[:120] if isinstance(e, RuntimeError) else type(e).__name__
+        why = next((line.strip().split(":")[0] for line in str(e).splitlines() if "mismatch" in line or "key(s)"
+                    in line), type(e).__name__)  # e.g. "size mismatch for convs.0.weight"
         raise SystemExit(f"error: the toy proxy reward's weights {path!r} do not load into the architecture of "
                          f"proxy.json {arch} ({why!r}); {remake}") from None
     return net.to(device).eval().requires_grad_(False)
