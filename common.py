@@ -80,9 +80,8 @@ JSON_DEPTH, JSON_DIGITS = 32, 64  # outside JSON: nested arrays / objects, an in
 
 
 def parse_json(data: str | bytes, *, limit: int = 1 << 20, depth: int = JSON_DEPTH):
-    """JSON from outside (a file, a server's answer, a prompt row) within `limit` bytes, `depth` nested arrays
-    and objects and JSON_DIGITS-digit integers, checked before json.loads recurses or converts; else
-    ValueError saying which. rewards.py has a copy (a leaf module; tests/test_hostile.py checks it)."""
+    """JSON from outside (a file, a server, a prompt row) within `limit` bytes, `depth` levels and integers of
+    JSON_DIGITS digits, checked before json.loads recurses or converts, else ValueError (copy: rewards.py)."""
     if len(data) > limit:
         raise ValueError(f"{len(data):,} bytes, more than {limit:,}")
     text = data.decode("utf-8") if isinstance(data, (bytes, bytearray)) else data
@@ -677,9 +676,6 @@ def score(rewards: dict, images, prompts, *, evaluation: bool = False) -> dict:
     return out
 
 
-PROMPT_LINE = 1 << 20  # characters a line of a prompt file may have
-
-
 class Prompt(str):
     """A prompt of a .jsonl file: the text, with its line's JSON object as .metadata (GenEval's tag, include,
     exclude), which indexing, grouping and sharding keep; rewards.py reads it."""
@@ -710,9 +706,9 @@ def load_prompt_set(path: str, *, split: str = "train", rewards=()) -> list[str]
     lines = []
     try:
         with open(path, encoding="utf-8") as f:
-            while line := f.readline(PROMPT_LINE + 1):  # a line at most PROMPT_LINE long: never a whole file
-                if len(line) > PROMPT_LINE:
-                    fail(f"line {len(lines) + 1} of prompt file {path!r} is longer than {PROMPT_LINE:,} "
+            while line := f.readline((1 << 20) + 1):  # a line at most 1 Mi characters: never a whole file
+                if len(line) > 1 << 20:
+                    fail(f"line {len(lines) + 1} of prompt file {path!r} is longer than 1,048,576 "
                          f"characters; a prompt per line")
                 lines.append(line.strip())
     except UnicodeDecodeError as e:
@@ -735,10 +731,9 @@ def load_prompt_set(path: str, *, split: str = "train", rewards=()) -> list[str]
         text = row["prompt"] if row else line
         bad = re.search(r"[\x00-\x08\x0a-\x1f\x7f-\x9f\ud800-\udfff]", text)
         if bad:
-            char = bad.group()
-            what = "a NUL character" if char == "\0" else "a lone surrogate" if char >= "\ud800" else \
+            what = "a NUL character" if bad[0] == "\0" else "a lone surrogate" if bad[0] >= "\ud800" else \
                 "a control character"
-            fail(f"line {n} of prompt file {path!r} has {what} ({shown(char)}) in its prompt; a prompt is "
+            fail(f"line {n} of prompt file {path!r} has {what} ({shown(bad[0])}) in its prompt; a prompt is "
                  f"text: no control character but tab, no lone surrogate")
         prompts.append(Prompt(text, row) if row else text)
     if not prompts:
@@ -838,8 +833,7 @@ def parse_args(args_class, *, toy: dict, description: str):
         sys.exit(0)
 
 
-# what each numeric argument of the entry points allows (each value of a tuple), finite both ways; the upper
-# bounds stop what would break later (a deadline past any clock, a clip range past float32, a tiny shift)
+# each numeric argument's range (each value of a tuple), finite both ways: no value that breaks later passes
 ARG_RANGES = {
     "seed": "[0, 1e12]", "resolution": "[1, 16384]", "max_sequence_length": "[1, 65536]",
     "guidance": "[0, 100]", "reward_weights": "(0, 1e6]", "num_steps": "[1, 1000]", "eval_steps": "[1, 1000]",
