@@ -774,9 +774,9 @@ def checkpoint_arguments(path: str) -> dict | None:
              and n.startswith("iter_") and n[len("iter_"):].isdigit()]
     newest = os.path.join(root, max(names, key=lambda n: int(n[len("iter_"):]))) if names else path
     try:
-        with open(os.path.join(newest, "run.json"), encoding="utf-8") as f:
-            saved = json.loads(f.read(1 << 20))
-    except (OSError, ValueError, RecursionError):
+        with open(os.path.join(newest, "run.json"), "rb") as f:
+            saved = parse_json(f.read((1 << 20) + 1))
+    except (OSError, ValueError):
         return None
     return saved.get("args") if isinstance(saved, dict) and isinstance(saved.get("args"), dict) else None
 
@@ -791,12 +791,23 @@ def arguments_from(args_class, saved: dict):
         default, value = getattr(base, f.name), saved[f.name]
         if dataclasses.is_dataclass(default) and isinstance(value, dict):
             known = {g.name for g in dataclasses.fields(default)}
-            value = dataclasses.replace(default, **{k: v for k, v in value.items()
-                                                    if k in known and k not in SECRETS})
-        elif isinstance(default, tuple) and isinstance(value, list):
-            value = tuple(value)
-        values[f.name] = value
+            value = {k: typed(k, getattr(default, k), v) for k, v in value.items()
+                     if k in known and k not in SECRETS}
+            value = dataclasses.replace(default, **value)
+        values[f.name] = typed(f.name, default, value)
     return dataclasses.replace(base, **values)
+
+
+def typed(name: str, default, value):
+    """A value of a checkpoint's run.json for the argument whose default is `default`: of its type (a list for
+    a tuple, an integer for a float; any value where the default is None), else a one-line error."""
+    like = lambda v, d: type(v) is type(d) or (type(d) is float and type(v) is int)  # noqa: E731
+    value = tuple(value) if isinstance(default, tuple) and isinstance(value, list) else value
+    items = zip(value, default[:1] * len(value)) if type(default) is type(value) is tuple else ()
+    if default is not None and not (like(value, default) and all(like(v, d) for v, d in items)):
+        fail(f"the checkpoint's run.json has --{name.replace('_', '-')} {shown(value)}, not the "
+             f"{type(default).__name__} it takes; resume from another checkpoint, or give the flag")
+    return float(value) if type(default) is float else value
 
 
 def parse_args(args_class, *, toy: dict, description: str):

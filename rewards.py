@@ -313,8 +313,8 @@ def imagereward_reward(checkpoint: str, med_config: str, tokenizer: str, device,
 
     state = load_safely(hub_file(checkpoint, "--imagereward-checkpoint"), what="--imagereward-checkpoint")
     try:
-        with open(hub_file(med_config, "--imagereward-med-config")) as f:
-            med = json.load(f)
+        with open(hub_file(med_config, "--imagereward-med-config"), "rb") as f:
+            med = parse_json(f.read((1 << 20) + 1))
     except (OSError, ValueError) as e:
         fail(f"--imagereward-med-config {med_config!r} cannot be read as JSON ({type(e).__name__})")
     try:
