@@ -1129,7 +1129,7 @@ def over_rating_metrics(run_dir: str, iteration: int, scores: dict, small: torch
         return {}
     if not (os.path.isfile(path) and os.path.isfile(base_scores)):
         return {}
-    base, out = json.load(open(base_scores)), {}
+    base, out = read_json(base_scores, limit=1 << 28), {}
     for k in held:
         d, se = over_rating(base, scores, k, weights=weights)
         out[f"eval/over_rating/{k}"], out[f"eval/over_rating/{k}_se"] = d, se
@@ -1147,7 +1147,7 @@ def over_rating_lines(run_dir: str, evals: list, *, args, weights: dict) -> list
     held = held_out_rewards(args)
     if not held or 0 not in evals or len(evals) < 2:
         return []
-    e = {i: json.load(open(os.path.join(run_dir, f"eval_{i}.json"))) for i in evals}
+    e = {i: read_json(os.path.join(run_dir, f"eval_{i}.json"), limit=1 << 28) for i in evals}
     out = []
     for k in held:
         over = {i: over_rating(e[0], e[i], k, weights=weights) for i in evals[1:]}
