@@ -3,10 +3,12 @@ it gets instead of a traceback, a hang or silent nonsense. By class: (1) every p
 (common.parse_json and its copy in rewards.py, reward servers' answers, prompt sets) and property-tested with
 hypothesis beside the named cases; (2) numeric flags and environment values (tests/test_bad_input.py and
 tests/test_robustness.py hold theirs); the run files, caches, rewards and results further below."""
+import atexit
 import errno
 import json
 import os
 import pickle
+import shutil
 import socketserver
 import tempfile
 import threading
@@ -22,6 +24,7 @@ from common import load_prompt_set
 
 FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 SCRATCH = tempfile.mkdtemp(prefix="hostile_")  # hypothesis' examples share one directory (no function fixture)
+atexit.register(shutil.rmtree, SCRATCH, ignore_errors=True)
 
 
 def one_line(e) -> str:
