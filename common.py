@@ -13,7 +13,7 @@ the order a port to another code base needs.
 3. Rewards and prompts: RewardModels, loggable (secrets hidden), REWARD_FUNCTIONS (JPEG, your own),
    load_rewards (HPS-v2.1, CLIP score, PickScore, ImageReward, aesthetic, UnifiedReward, OCR, GenEval, DeQA:
    rewards.py; the toy world's), score, load_prompt_set
-4. Run plumbing: TOY_WORLD, parse_args, check_common_args, setup_distributed, close_distributed, gather_cat,
+4. Run plumbing: TOY_WORLD, check_common_args, setup_distributed, close_distributed, gather_cat,
    sum_over_ranks, broadcast_object, iteration_generator, optimizer_step, ema_update, swapped_in
 
 What an algorithm is (its policy's log-probability, its advantages, its loss, KL and statistics) is written in
@@ -758,90 +758,6 @@ TOY_WORLD = dict(  # the part of every file's TOY preset that describes the toy 
     reward_combine="advantages", num_steps=16, eval_steps=16, group_size=12, micro_batch=48,
     full_finetune=True, gradient_checkpointing=False, ema=False, num_iterations=60, eval_every=20,
     eval_num=256, save_every=20, log_images_every=20)
-
-
-def flag_values(argv: list, flag: str) -> list:
-    """The values given to `flag` on a command line, as `--flag value` or `--flag=value`."""
-    return [b for a, b in zip(argv, argv[1:]) if a == flag] + [a[len(flag) + 1:] for a in argv
-                                                              if a.startswith(flag + "=")]
-
-
-def checkpoint_arguments(path: str) -> dict | None:
-    """The arguments run.json records in the newest checkpoint of a run directory (or of a checkpoint
-    directory), or None where there is none that reads (rundir.resume_checkpoint then says why)."""
-    root = os.path.join(path, "checkpoints")
-    names = [n for n in (os.listdir(root) if os.path.isdir(root) else []) if not n.endswith(".tmp")
-             and n.startswith("iter_") and n[len("iter_"):].isdigit()]
-    newest = os.path.join(root, max(names, key=lambda n: int(n[len("iter_"):]))) if names else path
-    try:
-        with open(os.path.join(newest, "run.json"), "rb") as f:
-            saved = parse_json(f.read((1 << 20) + 1))
-    except (OSError, ValueError):
-        return None
-    return saved.get("args") if isinstance(saved, dict) and isinstance(saved.get("args"), dict) else None
-
-
-def arguments_from(args_class, saved: dict):
-    """An Args of `args_class` holding the values of a checkpoint's run.json (tuples from its lists, the
-    reward models' fields, secrets left out: <hidden> in the file); fields it lacks keep their defaults."""
-    base, values = args_class(), {}
-    for f in dataclasses.fields(args_class):
-        if f.name not in saved or f.name == "resume":
-            continue
-        default, value = getattr(base, f.name), saved[f.name]
-        if dataclasses.is_dataclass(default) and isinstance(value, dict):
-            known = {g.name for g in dataclasses.fields(default)}
-            value = {k: typed(k, getattr(default, k), v) for k, v in value.items()
-                     if k in known and k not in SECRETS}
-            value = dataclasses.replace(default, **value)
-        values[f.name] = typed(f.name, default, value)
-    return dataclasses.replace(base, **values)
-
-
-def typed(name: str, default, value):
-    """A value of a checkpoint's run.json for the argument whose default is `default`: of its type (a list for
-    a tuple, an integer for a float; any value where the default is None), else a one-line error."""
-    like = lambda v, d: type(v) is type(d) or (type(d) is float and type(v) is int)  # noqa: E731
-    value = tuple(value) if isinstance(default, tuple) and isinstance(value, list) else value
-    items = zip(value, default[:1] * len(value)) if type(default) is type(value) is tuple else ()
-    if default is not None and not (like(value, default) and all(like(v, d) for v, d in items)):
-        fail(f"the checkpoint's run.json has --{name.replace('_', '-')} {shown(value)}, not the "
-             f"{type(default).__name__} it takes; resume from another checkpoint, or give the flag")
-    return float(value) if type(default) is float else value
-
-
-def parse_args(args_class, *, toy: dict, description: str):
-    """The command line parsed by tyro. With --model toy the TOY preset gives the defaults, and with --resume
-    DIR the arguments its checkpoint recorded, so flags passed explicitly still win (rundir.resume_checkpoint
-    says which) and --help shows those defaults; `--help | head` exits quietly."""
-    import tyro
-    argv = sys.argv[1:]
-    given, resume = flag_values(argv, "--model"), flag_values(argv, "--resume")
-    # the toy pipeline, by its alias or by its toy_world.json wherever it was copied (toy/make_toy.py)
-    marker = bool(given) and os.path.isfile(os.path.join(given[-1], "toy_world.json"))
-    wants_toy = bool(given) and (given[-1] == "toy" or marker)
-    saved = checkpoint_arguments(resume[-1]) if resume else None
-    default = dataclasses.replace(args_class(), **toy) if wants_toy else args_class()
-    if saved is not None:
-        default = arguments_from(args_class, saved)
-        description += " (--resume: the defaults below are the arguments its checkpoint recorded)"
-    elif wants_toy:
-        description += " (--model toy: the defaults below are the file's TOY preset)"
-    try:
-        args = tyro.cli(args_class, default=default, description=description)
-        for i, a in enumerate(sys.argv):  # a secret never stays in sys.argv, which wandb uploads
-            if a.startswith("--unifiedreward-api-key") and a != "--unifiedreward-api-key":
-                sys.argv[i] = "--unifiedreward-api-key=<hidden>"
-            elif i and sys.argv[i - 1] == "--unifiedreward-api-key":
-                sys.argv[i] = "<hidden>"
-        return args
-    except SystemExit:
-        with contextlib.suppress(BrokenPipeError):
-            sys.stdout.flush()
-        raise
-    except BrokenPipeError:  # --help piped into a program that stopped reading
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        sys.exit(0)
 
 
 # each numeric argument's range (each value of a tuple), finite both ways: no value that breaks later passes

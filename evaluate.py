@@ -46,10 +46,10 @@ import tyro
 from common import (ARG_RANGES, MODEL_ALIASES, RewardModels, as_reference, broadcast_object, check_guidance,
                     check_output_path, check_ranges, check_rewards, close_distributed, decode,
                     drop_text_encoders, encode_prompts, fail, gather_cat, latent_shape, load_pipeline,
-                    load_prompt_set, load_rewards, loggable, ode_complete, parse_args, pipeline_sigmas, place,
-                    score, select, setup_distributed, velocity)
+                    load_prompt_set, load_rewards, loggable, ode_complete, pipeline_sigmas, place, score,
+                    select, setup_distributed, velocity)
 from rundir import (check_model_directory, decimals, hold_run_directory, latest_checkpoint, paired_change,
-                    read_run_json, safetensors_header, stop_on_write_error, use_checkpoint,
+                    parse_args, read_run_json, safetensors_header, stop_on_write_error, use_checkpoint,
                     weights_fingerprint, write_atomically)
 from rundir import read_json as read_bounded_json
 

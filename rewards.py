@@ -87,8 +87,9 @@ def check(name: str, models):
     url = getattr(models, f"{name}_url") if name in ("geneval", "deqa", "unifiedreward") else None
     if url is not None:
         check_url(url, f"--{name}-url")
-    key = models.unifiedreward_api_key or os.environ.get("UNIFIEDREWARD_API_KEY")
-    if name == "unifiedreward" and key and not all("!" <= c <= "~" for c in key):  # never shown: a secret
+    key = None if name != "unifiedreward" else (models.unifiedreward_api_key
+                                                or os.environ.get("UNIFIEDREWARD_API_KEY"))
+    if key and not all("!" <= c <= "~" for c in key):  # never shown: a secret
         fail("the UnifiedReward API key (--unifiedreward-api-key or $UNIFIEDREWARD_API_KEY) holds a space, a "
              "control or a non-ASCII character, which an HTTP header cannot carry; pass the key alone")
     if name == "ocr":

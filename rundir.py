@@ -2,8 +2,9 @@
 after each, and the run directory (runs/<run_name>) it writes and reads back. Plain functions, and one object
 for the state a run carries, in the order of a run.
 
-0. The run: start_run (the setup, one call), Run (iterations, the optimizer and EMA steps, evaluation, the end
-   of an iteration, the end of the run), Stats (an iteration's training statistics)
+0. The run: parse_args (the command line: the TOY preset, or a resumed checkpoint's arguments, as defaults),
+   start_run (the setup, one call), Run (iterations, the optimizer and EMA steps, evaluation, the end of an
+   iteration, the end of the run), Stats (an iteration's training statistics)
 1. The run directory and its logs: run_directory, make_writer (TensorBoard, wandb), read_jsonl, log_metrics;
    files from outside read within bounds: read_json, safetensors_header
 2. Checkpoints: iteration_of, latest_checkpoint, read_run_json, resume_checkpoint, save_state (atomic;
@@ -32,15 +33,99 @@ import time
 import torch
 import torch.distributed as dist
 
-from common import (FAMILIES, JSON_DEPTH, MODEL_ALIASES, NFE, TEXT_ENCODERS, broadcast_object, check_guidance,
-                    close_distributed, decode, drop_text_encoders, ema_update, encode_prompts, fail,
-                    family_of, gather_cat, gathered, is_main_rank, latent_shape, load_pipeline,
+from common import (FAMILIES, JSON_DEPTH, MODEL_ALIASES, NFE, SECRETS, TEXT_ENCODERS, broadcast_object,
+                    check_guidance, close_distributed, decode, drop_text_encoders, ema_update, encode_prompts,
+                    fail, family_of, gather_cat, gathered, is_main_rank, latent_shape, load_pipeline,
                     load_prompt_set, load_rewards, loggable, make_trainable, max_over_ranks, ode_complete,
                     optimizer_step, parse_json, pipeline_sigmas, score, seed_everything, setup_distributed,
                     shown, sum_over_ranks, swapped_in)
 
 
 # ======== 0. The run ========
+def flag_values(argv: list, flag: str) -> list:
+    """The values given to `flag` on a command line, as `--flag value` or `--flag=value`."""
+    return [b for a, b in zip(argv, argv[1:]) if a == flag] + [a[len(flag) + 1:] for a in argv
+                                                              if a.startswith(flag + "=")]
+
+
+def checkpoint_arguments(path: str) -> dict | None:
+    """The arguments run.json records in the newest checkpoint of a run directory (or of a checkpoint
+    directory), or None where there is none that reads (resume_checkpoint then says why)."""
+    root = os.path.join(path, "checkpoints")
+    names = [n for n in (os.listdir(root) if os.path.isdir(root) else []) if not n.endswith(".tmp")
+             and n.startswith("iter_") and n[len("iter_"):].isdigit()]
+    newest = os.path.join(root, max(names, key=lambda n: int(n[len("iter_"):]))) if names else path
+    try:
+        with open(os.path.join(newest, "run.json"), "rb") as f:
+            saved = parse_json(f.read((1 << 20) + 1))
+    except (OSError, ValueError):
+        return None
+    return saved.get("args") if isinstance(saved, dict) and isinstance(saved.get("args"), dict) else None
+
+
+def arguments_from(args_class, saved: dict):
+    """An Args of `args_class` holding the values of a checkpoint's run.json (tuples from its lists, the
+    reward models' fields, secrets left out: <hidden> in the file); fields it lacks keep their defaults."""
+    base, values = args_class(), {}
+    for f in dataclasses.fields(args_class):
+        if f.name not in saved or f.name == "resume":
+            continue
+        default, value = getattr(base, f.name), saved[f.name]
+        if dataclasses.is_dataclass(default) and isinstance(value, dict):
+            known = {g.name for g in dataclasses.fields(default)}
+            value = {k: typed(k, getattr(default, k), v) for k, v in value.items()
+                     if k in known and k not in SECRETS}
+            value = dataclasses.replace(default, **value)
+        values[f.name] = typed(f.name, default, value)
+    return dataclasses.replace(base, **values)
+
+
+def typed(name: str, default, value):
+    """A value of a checkpoint's run.json for the argument whose default is `default`: of its type (a list for
+    a tuple, an integer for a float; any value where the default is None), else a one-line error."""
+    like = lambda v, d: type(v) is type(d) or (type(d) is float and type(v) is int)  # noqa: E731
+    value = tuple(value) if isinstance(default, tuple) and isinstance(value, list) else value
+    items = zip(value, default[:1] * len(value)) if type(default) is type(value) is tuple else ()
+    if default is not None and not (like(value, default) and all(like(v, d) for v, d in items)):
+        fail(f"the checkpoint's run.json has --{name.replace('_', '-')} {shown(value)}, not the "
+             f"{type(default).__name__} it takes; resume from another checkpoint, or give the flag")
+    return float(value) if type(default) is float else value
+
+
+def parse_args(args_class, *, toy: dict, description: str):
+    """The command line parsed by tyro. With --model toy the TOY preset gives the defaults, and with --resume
+    DIR the arguments its checkpoint recorded, so flags passed explicitly still win (resume_checkpoint says
+    which) and --help shows those defaults; `--help | head` exits quietly."""
+    import tyro
+    argv = sys.argv[1:]
+    given, resume = flag_values(argv, "--model"), flag_values(argv, "--resume")
+    # the toy pipeline, by its alias or by its toy_world.json wherever it was copied (toy/make_toy.py)
+    marker = bool(given) and os.path.isfile(os.path.join(given[-1], "toy_world.json"))
+    wants_toy = bool(given) and (given[-1] == "toy" or marker)
+    saved = checkpoint_arguments(resume[-1]) if resume else None
+    default = dataclasses.replace(args_class(), **toy) if wants_toy else args_class()
+    if saved is not None:
+        default = arguments_from(args_class, saved)
+        description += " (--resume: the defaults below are the arguments its checkpoint recorded)"
+    elif wants_toy:
+        description += " (--model toy: the defaults below are the file's TOY preset)"
+    try:
+        args = tyro.cli(args_class, default=default, description=description)
+        for i, a in enumerate(sys.argv):  # a secret never stays in sys.argv, which wandb uploads
+            if a.startswith("--unifiedreward-api-key") and a != "--unifiedreward-api-key":
+                sys.argv[i] = "--unifiedreward-api-key=<hidden>"
+            elif i and sys.argv[i - 1] == "--unifiedreward-api-key":
+                sys.argv[i] = "<hidden>"
+        return args
+    except SystemExit:
+        with contextlib.suppress(BrokenPipeError):
+            sys.stdout.flush()
+        raise
+    except BrokenPipeError:  # --help piped into a program that stopped reading
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(0)
+
+
 def say(message: str):
     """A line on rank 0's terminal that does not break a progress bar."""
     if is_main_rank():
@@ -824,7 +909,7 @@ def resume_checkpoint(path: str, *, args, world: int, script: str) -> tuple[str,
              f"{saved['iteration']}")
     changed = [f"{k} {saved['args'].get(k)} -> {v}" for k, v in now.items()
                if k != "resume" and saved["args"].get(k) != v]
-    if is_main_rank():  # the checkpoint's arguments are the defaults (common.parse_args): the flags given win
+    if is_main_rank():  # the checkpoint's arguments are the defaults (parse_args): the flags given win
         given = f"; changed on the command line: {', '.join(changed)}" if changed else ""
         print(f"resuming with the checkpoint's arguments{given}")
     return ckpt, saved["iteration"]

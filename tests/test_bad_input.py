@@ -262,7 +262,7 @@ def test_the_readmes_command_lines_parse_and_pass_the_checks(script):
 
 
 def test_toy_preset_explicit_flags_win(monkeypatch):
-    from common import parse_args
+    from rundir import parse_args
 
     monkeypatch.setattr("sys.argv", ["flow_grpo.py", "--model", "toy", "--beta", "0"])
     args = parse_args(flow_grpo.Args, toy=flow_grpo.TOY, description="")

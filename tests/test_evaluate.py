@@ -11,7 +11,7 @@ from functools import partial
 import pytest
 import torch
 
-import common
+import rundir
 import evaluate
 from helpers import ROOT, run_script, tiny_flags, tiny_model_dirs
 
@@ -135,7 +135,7 @@ def test_toy_world_command(toy_run, tmp_path, monkeypatch):
     toy = ["--model", "toy", "--checkpoints", toy_run, "--metrics", "toy_color_position", "toy_shape_count", "toy_strict",
            "--out", str(tmp_path)]
     monkeypatch.setattr(sys, "argv", ["evaluate.py", *toy])
-    entries, preset_pairs = evaluate.check_args(common.parse_args(evaluate.Args, toy=evaluate.TOY, description=""))
+    entries, preset_pairs = evaluate.check_args(rundir.parse_args(evaluate.Args, toy=evaluate.TOY, description=""))
     assert len(preset_pairs) == 256 and [e["weights"] for e in entries] == ["base", "transformer"]
     pairs = 16
     proc = run_script("evaluate.py", [*toy, "--num-prompts", "8", "--seeds-per-prompt", "2"])

@@ -829,11 +829,12 @@ def test_tensorboards_writer_thread_fails_quietly_and_the_run_says_it_in_one_lin
 
 
 def test_resume_alone_takes_only_arguments_of_their_type_from_run_json():
-    """--resume DIR alone takes the checkpoint's arguments as the defaults (common.arguments_from): one of another
+    """--resume DIR alone takes the checkpoint's arguments as the defaults (rundir.arguments_from): one of another
     type (a string, a list where a number goes) is one line, not a traceback in the checks that follow."""
     import flow_grpo
+    import rundir
     good = {"num_steps": 4, "guidance": 4, "rewards": ["jpeg"], "reward_models": {"reward_timeout": 60}}
-    args = common.arguments_from(flow_grpo.Args, good)
+    args = rundir.arguments_from(flow_grpo.Args, good)
     assert (args.num_steps, args.guidance, args.rewards, args.reward_models.reward_timeout) == (4, 4.0, ("jpeg",), 60.0)
     for saved, shown in [({"num_steps": "abc"}, "--num-steps 'abc', not the int"),
                          ({"group_size": [1, 2]}, "--group-size [1, 2], not the int"),
@@ -841,6 +842,6 @@ def test_resume_alone_takes_only_arguments_of_their_type_from_run_json():
                          ({"rewards": ["jpeg", 3]}, "--rewards ('jpeg', 3), not the tuple"),
                          ({"reward_models": {"reward_timeout": "x"}}, "--reward-timeout 'x', not the float")]:
         with pytest.raises(SystemExit) as e:
-            common.arguments_from(flow_grpo.Args, saved)
+            rundir.arguments_from(flow_grpo.Args, saved)
         assert one_line(e) == (f"error: the checkpoint's run.json has {shown} it takes; resume from another checkpoint, "
                                f"or give the flag")
