@@ -272,7 +272,7 @@ if __name__ == "__main__":
     run = start_run(args, script=__file__, check_args=check_args, planned_nfe=planned_nfe,
                     reference=args.beta > 0)
     transformer, kind, rank, world, amp = run.transformer, run.kind, run.rank, run.world, run.amp
-    P, G, T, (C, H, W) = args.prompts_per_iteration // world, args.group_size, args.num_steps, run.shape
+    P, G, T, shape = args.prompts_per_iteration // world, args.group_size, args.num_steps, run.shape
     sigmas = pipeline_sigmas(run.pipe, kind, num_steps=T, shape=run.shape)  # the pipeline's schedule
     n_train = int(T * args.timestep_fraction)
     psi = [args.noise_level] * T if args.psi is None else load_psi(args.psi, T)  # psi(t) replaces a
@@ -289,7 +289,7 @@ if __name__ == "__main__":
         train_steps = [j for j in train_steps if noise_levels[j] > 0]  # psi(t) = 0: no log-prob to train
         prompts = [run.train_prompts[i] for i in torch.randint(len(run.train_prompts), (P,), generator=gen)]
         group = torch.arange(P).repeat_interleave(G)  # sample -> its prompt
-        x = torch.randn(P, G, C, H, W, generator=gen).reshape(P * G, C, H, W).to(run.device)
+        x = torch.randn(P, G, *shape, generator=gen).reshape(P * G, *shape).to(run.device)
         latents = [x]
         old_log_probs = []
         sampler_velocities = []
@@ -374,7 +374,7 @@ if __name__ == "__main__":
                     # official: / (2 std_dev_t^2) with std_dev_t^2 = std^2 / |dt|; exact: / (2 std^2)
                     step = float(sigmas[j] - sigmas[j + 1])  # |dt|
                     kl_var = std**2 if args.kl_form == "exact" else std**2 / step
-                    kl = ((mean - mean_ref) ** 2).mean(dim=(1, 2, 3)).mean() / (2 * kl_var)
+                    kl = ((mean - mean_ref) ** 2).flatten(1).mean(1).mean() / (2 * kl_var)
                 loss = policy_loss + args.beta * kl
                 (loss * scale).backward()  # scale: this term's share of the mini-batch's mean
                 log_ratio = log_prob - old_log_probs[j][c]

@@ -400,14 +400,14 @@ if __name__ == "__main__":
                   f"architecture than --model {args.model!r} holds (base fingerprint "
                   f"{entry['base_weights']}, here {base_weights}): it is scored on this model as it is",
                   file=sys.stderr, flush=True)
-    C, H, W = latent_shape(pipe, kind, args.resolution)
-    sigmas = pipeline_sigmas(pipe, kind, num_steps=args.steps, shape=(C, H, W))
+    shape = latent_shape(pipe, kind, args.resolution)
+    sigmas = pipeline_sigmas(pipe, kind, num_steps=args.steps, shape=shape)
 
     # this rank's contiguous share of the pairs, padded with the last pair to equal shares
     share = -(-len(pairs) // world)
     mine = [pairs[min(k, len(pairs) - 1)] for k in range(rank * share, (rank + 1) * share)]
     prompts = [p for p, _ in mine]
-    noise = torch.stack([torch.randn(C, H, W, generator=torch.Generator().manual_seed(s)) for _, s in mine])
+    noise = torch.stack([torch.randn(shape, generator=torch.Generator().manual_seed(s)) for _, s in mine])
     emb = encode_prompts(pipe, kind, prompts, max_sequence_length=args.max_sequence_length, cfg=args.guidance,
                          device=device)
     drop_text_encoders(pipe)  # every prompt is encoded: no text encoder is kept (FLUX.2 [dev]'s: 23B)

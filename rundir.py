@@ -392,7 +392,7 @@ class Run:
     ref_model: object  # full fine-tuning's frozen reference (LoRA: the model with its adapters off), or None
     copies: dict  # {name: a list shaped like the trainable weights}, saved with every checkpoint
     amp: object  # the autocast context of every forward
-    shape: tuple  # (C, H, W) of the latents
+    shape: tuple  # the shape of a sample's latents: (C, H, W), or (C, F, H, W) with frames
     weights: dict  # {reward: weight}
     reward_fns: dict  # the training rewards
     eval_fns: dict  # every reward scored at evaluation
@@ -469,11 +469,11 @@ class Run:
         eval/* metrics, eval_<iteration>.json and a grid. Pair k: prompt k mod len(prompts), noise seed
         10^6 + k; each rank an equal share (the last pair repeated: all ranks run the same forwards). Returns
         (iteration, the training reward)."""
-        args, (C, H, W) = self.args, self.shape
+        args = self.args
         n = -(-args.eval_num // self.world)
         pairs = [min(k, args.eval_num - 1) for k in range(self.rank * n, (self.rank + 1) * n)]
         prompts = [self.eval_prompts[k % len(self.eval_prompts)] for k in pairs]
-        noise = torch.stack([torch.randn(C, H, W, generator=torch.Generator().manual_seed(10**6 + k))
+        noise = torch.stack([torch.randn(self.shape, generator=torch.Generator().manual_seed(10**6 + k))
                              for k in pairs])
         sigmas = pipeline_sigmas(self.pipe, self.kind, num_steps=args.eval_steps, shape=self.shape)
         with self.paused(), swapped_in(list(self.params.values()), self.ema):
