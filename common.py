@@ -343,12 +343,14 @@ def check_guidance(pipe, kind: str, guidance: float):
              f"guidance input and no CFG); pass --guidance 1")
 
 
-def latent_shape(pipe, kind: str, resolution: int, *, frames: int | None = None) -> tuple:
-    """The shape of a sample's latents: (C, H, W) of a square image, or (C, F, H, W) of a clip of `frames`
-    frames where the family has a frame axis (its entry's "frames": F latent frames; none: its default); a
-    one-line error if the model cannot take `resolution` or `frames` (an image family: frames 1 only)."""
+def latent_shape(pipe, kind: str, resolution: int, *, width: int | None = None,
+                 frames: int | None = None) -> tuple:
+    """The shape of a sample's latents: (C, H, W) of an image `resolution` pixels high and `width` (none: as
+    high) wide, or (C, F, H, W) of a clip of `frames` frames where the family has a frame axis (its entry's
+    "frames": F latent frames; none: its default); a one-line error if the model cannot take the size or
+    `frames` (an image family: frames 1 only)."""
     entry = FAMILIES[kind]
-    shape = entry["latent"](pipe, resolution)[0]
+    shape = entry["latent"](pipe, resolution if width in (None, resolution) else (resolution, width))[0]
     if "frames" not in entry:
         if frames not in (None, 1):
             fail(f"--num-frames {frames} is not allowed for this {type(pipe).__name__} (it samples images); "
@@ -850,7 +852,7 @@ ARG_RANGES = {
     "ema_every": "[1, 1e9]", "num_iterations": "[1, 1e9]", "eval_every": "[0, 1e9]", "eval_num": "[1, 1e7]",
     "save_every": "[0, 1e9]", "keep_checkpoints": "[0, 1e9]", "log_images_every": "[0, 1e9]",
     "reward_timeout": "(0, 86400]", "reward_retries": "[0, 100]", "threads": "[1, 4096]",
-    "num_frames": "[1, 1024]", "fps": "(0, 1000]",
+    "width": "[1, 16384]", "num_frames": "[1, 1024]", "fps": "(0, 1000]",
     # algorithm specific: CoCA, DenseGRPO, G2RPO, MixGRPO, DiffusionNFT, AWM, DGPO, Flow-DPPO
     "coca_window": "[1, 1000]", "coca_alpha": "[0, 1]", "dense_ode_steps": "[1, 1000]", "eps1": "(0, 1e4]",
     "eps2": "(0, 10]", "psi_range": "[0, 10]", "sde_steps": "[0, 1000]", "lambdas": "[1, 1000]",

@@ -44,7 +44,9 @@ class Args:
     mixed_precision: Literal["no", "bf16"] = "bf16"
     """compute dtype on CUDA; the trainable weights and the SDE math stay float32"""
     resolution: int = 720
-    """image height and width in pixels"""
+    """image height (and width, unless --width) in pixels"""
+    width: int | None = None
+    """image width in pixels, where it differs from the height"""
     num_frames: int | None = None
     """frames per sample, for models whose samples have them (docs/video.md; none: the model's default)"""
     fps: int = 16

@@ -86,7 +86,9 @@ class Args:
     guidance: float = 3.5
     """Flux guidance embedding, or SD3 classifier-free guidance with an empty negative prompt (SD3: 4.5)"""
     resolution: int = 1024
-    """image height and width in pixels (the SD3 papers: 512)"""
+    """image height (and width, unless --width) in pixels (the SD3 papers: 512)"""
+    width: int | None = None
+    """image width in pixels, where it differs from the height"""
     num_frames: int | None = None
     """frames per sample, for models whose samples have them (docs/video.md; none: the model's default)"""
     fps: int = 16
@@ -356,7 +358,8 @@ def table(args, entries: list[dict], scores: list[dict], *, num_prompts: int, ki
     first = entries[0]["name"]
     head = (f"## {args.model} ({kind}): {num_prompts} prompts x {args.seeds_per_prompt} seed(s) = {pairs} "
             f"pairs of {args.prompts}\n\nODE with the pipeline's schedule: {args.steps} steps, guidance "
-            f"{args.guidance}, {args.resolution} px, {args.max_sequence_length} tokens, seed {args.seed}. "
+            f"{args.guidance}, {args.resolution}{f' x {args.width}' * bool(args.width)} px, "
+            f"{args.max_sequence_length} tokens, seed {args.seed}. "
             f"Each metric: mean +- standard error over the pairs; change: the paired difference from {first} "
             f"on the same pairs +- its paired standard error.\n")
     metrics = list(scores[0])  # --metrics, and GenEval's accuracies (per tag)
@@ -406,7 +409,7 @@ if __name__ == "__main__":
                   f"architecture than --model {args.model!r} holds (base fingerprint "
                   f"{entry['base_weights']}, here {base_weights}): it is scored on this model as it is",
                   file=sys.stderr, flush=True)
-    shape = latent_shape(pipe, kind, args.resolution, frames=args.num_frames)
+    shape = latent_shape(pipe, kind, args.resolution, width=args.width, frames=args.num_frames)
     sigmas = pipeline_sigmas(pipe, kind, num_steps=args.steps, shape=shape)
 
     # this rank's contiguous share of the pairs, padded with the last pair to equal shares

@@ -6,7 +6,8 @@ pipeline's entry up by its `kind`.
 An entry (a dict of plain functions and names) defines:
     pipelines       the diffusers pipeline classes it handles (by name)
     aliases         short --model names -> hub ids
-    latent          (pipe, resolution) -> (C, H, W) of the latents the samplers move, and the pixel multiple
+    latent          (pipe, resolution: pixels square, or (height, width)) -> (C, H, W) of the latents the
+                    samplers move, and the pixel multiple
     frames          (video families only) (pipe, num_frames or None) -> the latent frames F: latents are then
                     (C, F, H, W), and the samplers, log-probs and losses treat them as any other shape
     mu              (pipe, latent (C, H, W), num_steps) -> the schedule's shift parameter mu (None: no shift)
@@ -86,12 +87,15 @@ def padded(rows: list, length: int):
     return out, mask
 
 
-def square(resolution: int, *, f: int, mult: int, channels: int):
-    """(channels, resolution / f, resolution / f) of a square image, or a one-line error."""
-    if resolution < mult or resolution % mult:
-        raise SystemExit(f"error: --resolution {resolution} is not allowed for this model; use a positive "
-                         f"multiple of {mult}")
-    return (channels, resolution // f, resolution // f), mult
+def square(resolution, *, f: int, mult: int, channels: int):
+    """(channels, H / f, W / f) of an image `resolution` pixels square, or (height, width) pixels, or a
+    one-line error."""
+    h, w = resolution if isinstance(resolution, tuple) else (resolution, resolution)
+    for flag, size in (("--resolution", h), ("--width", w)):
+        if size < mult or size % mult:
+            raise SystemExit(f"error: {flag} {size} is not allowed for this model; use a positive "
+                             f"multiple of {mult}")
+    return (channels, h // f, w // f), mult
 
 
 # ======== FLUX.1 (FluxPipeline) ========

@@ -210,7 +210,7 @@ def start_run(args, *, script: str, check_args, planned_nfe, reference: bool, co
             fill_text_cache(pipe, kind, train_prompts + eval_prompts[:args.eval_num],
                             directory=args.text_cache, device=device,
                             max_sequence_length=args.max_sequence_length, cfg=args.guidance)
-        shape = latent_shape(pipe, kind, args.resolution, frames=args.num_frames)
+        shape = latent_shape(pipe, kind, args.resolution, width=args.width, frames=args.num_frames)
         lora = None if args.full_finetune else (args.lora_rank, args.lora_alpha)
         params, ref_model = make_trainable(pipe.transformer, kind, lora=lora, reference=reference,
                                            sharded=sharded, compute_dtype=compute_dtype,
@@ -506,19 +506,21 @@ class Run:
                 paths = [list(range(len(sigmas)))] * n  # every pair the whole schedule
                 x0 = ode_complete(self.transformer, self.kind, noise.to(self.device), paths, sigmas, emb,
                                   guidance=args.guidance, micro_batch=args.micro_batch, progress=bar.update)
-            parts, shown = [], []  # decoded and scored a micro-batch at a time (videos: GBs at real sizes)
+            held = held_out_rewards(args)  # rewards scored, not trained on: the over-rating and the drift
+            parts, shown, thumbs = [], [], []  # decoded and scored a micro-batch at a time (videos: GBs)
             for c in torch.arange(n).split(args.micro_batch):
                 images = decode(self.pipe, x0[c])
                 parts.append(score(self.eval_fns, images, [prompts[i] for i in c], evaluation=True))
                 shown.append(images[:max(0, GRID - sum(map(len, shown)))].cpu())
+                if held:  # each frame of a video [B, 3, F, H, W] as an image
+                    thumbs.append(thumbnails(images.transpose(1, 2) if images.ndim == 5 else images))
             local = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
             scores = {k: gather_cat(v.to(self.device)).cpu()[:args.eval_num] for k, v in local.items()}
             for fn in self.eval_fns.values():
                 if hasattr(fn, "breakdown"):  # GenEval's accuracies per tag
                     every = [self.eval_prompts[k % len(self.eval_prompts)] for k in range(args.eval_num)]
                     scores.update(fn.breakdown(scores, every))
-            held = held_out_rewards(args)  # rewards scored, not trained on: the over-rating and the drift
-            small = gather_cat(thumbnails(images).to(self.device)).cpu()[:args.eval_num] if held else None
+            small = gather_cat(torch.cat(thumbs).to(self.device)).cpu()[:args.eval_num] if held else None
             if self.rank == 0:
                 means = {f"eval/{k}": v.mean() for k, v in scores.items()}
                 with stop_on_write_error(self.run_dir):
@@ -526,8 +528,7 @@ class Run:
                         means.update(over_rating_metrics(self.run_dir, iteration, scores, small, held=held,
                                                          weights=self.weights))
                     log_metrics(self.writer, self.run_dir, iteration, means, per_sample=scores)
-                    save_eval_grid(self.run_dir, iteration, torch.cat(shown), prompts, local,
-                                   fps=args.fps)
+                    save_eval_grid(self.run_dir, iteration, torch.cat(shown), prompts, local, fps=args.fps)
         return iteration, self.reward(scores).item()
 
     def reward(self, scores: dict):
@@ -1355,9 +1356,9 @@ def run_summary(run_dir: str, *, args, pipe, weights: dict, seconds: float) -> s
                     f"pipe.load_lora_weights({os.path.join(ckpt, 'lora')!r})")
         entry = FAMILIES[family_of(pipe)]
         frames = f"num_frames={args.num_frames or 33}, " if "frames" in entry else ""
-        call = (f"pipe(prompt='a red circle on the left', height={args.resolution}, width={args.resolution}, "
-                f"{frames}num_inference_steps={args.eval_steps}, {entry['call_guidance'](args.guidance)}, "
-                f"max_sequence_length={args.max_sequence_length})")
+        call = (f"pipe(prompt='a red circle on the left', height={args.resolution}, "
+                f"width={args.width or args.resolution}, {frames}num_inference_steps={args.eval_steps}, "
+                f"{entry['call_guidance'](args.guidance)}, max_sequence_length={args.max_sequence_length})")
         out += [f"Checkpoint: {ckpt} (continue with --resume {os.path.abspath(run_dir)}); in diffusers:",
                 f"  from diffusers import {pipe_cls}, {tr_cls}", f"  {load}"]
         out += [f"  video = {call}.frames[0]  # diffusers.utils.export_to_video(video, 'a.mp4', "

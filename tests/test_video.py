@@ -75,6 +75,24 @@ def test_the_sampler_reproduces_the_wan_pipeline(wan_dirs, version, frames):
     assert video.shape == (1, 3, frames, size, size) and 0 <= video.min() and video.max() <= 1
 
 
+def test_the_sampler_reproduces_the_wan_pipeline_off_the_square(wan_dirs):
+    """--width: a 32 x 48 clip (as 480 x 832) of 5 frames with CFG, the pipeline's own latents to 1e-5."""
+    import tiny_video
+    pipe, kind = common.load_pipeline(wan_dirs["2.1"], torch.device("cpu"))
+    shape = common.latent_shape(pipe, kind, 32, width=48, frames=5)
+    sigmas = common.pipeline_sigmas(pipe, kind, num_steps=3, shape=shape)
+    emb = common.encode_prompts(pipe, kind, PROMPTS[1:2], max_sequence_length=16, cfg=5.0)
+    noise = torch.randn((1, *shape), generator=torch.Generator().manual_seed(4))
+    ours = common.ode_complete(pipe.transformer, kind, noise, [list(range(4))], sigmas, emb, guidance=5.0,
+                               micro_batch=1)
+    pipe.scheduler = tiny_video.euler_scheduler(pipe)
+    theirs = pipe(prompt=PROMPTS[1], negative_prompt="", height=32, width=48, num_frames=5, num_inference_steps=3,
+                  guidance_scale=5.0, output_type="latent", generator=torch.Generator().manual_seed(4),
+                  max_sequence_length=16).frames
+    assert (ours - theirs).abs().max() < 1e-5
+    assert common.decode(pipe, ours).shape == (1, 3, 5, 32, 48)
+
+
 def test_frames_resolution_and_the_two_expert_model_are_checked(wan_dirs, tiny):
     """--num-frames must be 1 + 4k for Wan (its VAE's temporal factor) and 1 for an image family; the
     resolution a multiple of the VAE's factor times the 2x2 patches; a Wan2.2-T2V-A14B (two experts) stops."""
@@ -87,6 +105,10 @@ def test_frames_resolution_and_the_two_expert_model_are_checked(wan_dirs, tiny):
     with pytest.raises(SystemExit, match=r"^error: --resolution 36 is not allowed for this model; use a positive "
                                          r"multiple of 8$"):
         common.latent_shape(pipe, kind, 36)
+    assert common.latent_shape(pipe, kind, 32, width=48, frames=5) == (4, 2, 8, 12)  # 480 x 832 at full size
+    with pytest.raises(SystemExit, match=r"^error: --width 36 is not allowed for this model; use a positive "
+                                         r"multiple of 8$"):
+        common.latent_shape(pipe, kind, 32, width=36)
     wan22, kind22 = common.load_pipeline(wan_dirs["2.2"], torch.device("cpu"))
     with pytest.raises(SystemExit, match="multiple of 32"):
         common.latent_shape(wan22, kind22, 48)
