@@ -285,3 +285,24 @@ def test_every_file_trains_a_video_model(wan_dirs, tmp_path, script):
     webp = Image.open(os.path.join(run, "samples", "eval_1.webp"))
     assert webp.n_frames == 5 and os.path.isfile(os.path.join(run, "samples", "eval_1.png"))
     assert "from diffusers import WanPipeline" in proc.stdout and "num_frames=5" in proc.stdout
+
+
+def test_the_moving_shapes_world_is_each_files_toy_preset_in_its_world(monkeypatch, tmp_path):
+    """--model toy-video (or a directory whose toy_world.json says "video"): the file's TOY preset (its algorithm's
+    toy settings) with common.TOY_VIDEO_WORLD's world (9 frames, its prompts and rewards); --model toy keeps the
+    image world; flags given still win."""
+    import json as json_
+
+    import flow_grpo
+    copied = tmp_path / "wan-shapes"
+    copied.mkdir()
+    (copied / "toy_world.json").write_text(json_.dumps({"world": "video"}))
+    for model in ("toy-video", str(copied)):
+        monkeypatch.setattr("sys.argv", ["flow_grpo.py", "--model", model, "--fps", "4"])
+        args = common.parse_args(flow_grpo.Args, toy=flow_grpo.TOY, description="")
+        assert (args.model, args.num_frames, args.fps, args.prompts) == (model, 9, 4, "toy-video")
+        assert args.rewards == ("toy_frame", "toy_motion") and "toy_video_strict" in args.eval_rewards
+        assert args.learning_rate == flow_grpo.TOY["learning_rate"] and args.beta == flow_grpo.TOY["beta"]
+    monkeypatch.setattr("sys.argv", ["flow_grpo.py", "--model", "toy"])
+    args = common.parse_args(flow_grpo.Args, toy=flow_grpo.TOY, description="")
+    assert args.num_frames is None and args.rewards == flow_grpo.TOY["rewards"]
