@@ -345,10 +345,8 @@ def check_guidance(pipe, kind: str, guidance: float):
 
 def latent_shape(pipe, kind: str, resolution: int, *, width: int | None = None,
                  frames: int | None = None) -> tuple:
-    """The shape of a sample's latents: (C, H, W) of an image `resolution` pixels high and `width` (none: as
-    high) wide, or (C, F, H, W) of a clip of `frames` frames where the family has a frame axis (its entry's
-    "frames": F latent frames; none: its default); a one-line error if the model cannot take the size or
-    `frames` (an image family: frames 1 only)."""
+    """A sample's latent shape: (C, H, W) of an image `resolution` high and `width` (none: as high) wide, or
+    (C, F, H, W) where the family has frames (its entry's "frames"); else a one-line error."""
     entry = FAMILIES[kind]
     shape = entry["latent"](pipe, resolution if width in (None, resolution) else (resolution, width))[0]
     if "frames" not in entry:
@@ -557,17 +555,12 @@ def as_reference(transformer, frozen=None):
 
 # ======== 3. Rewards (each fn(images [B, 3, H, W] in [0, 1], prompts) -> float32 [B]) and prompts ========
 def frame_indices(reduce: str, frames: int) -> list[int]:
-    """The frames `reduce` (--frame-reduce, checked by check_frame_reduce) scores of a clip of `frames`."""
-    if reduce == "first":
-        return [0]
-    return list(range(0, frames, 1 if reduce == "mean" else int(reduce.split(":")[1])))
+    """The frames --frame-reduce `reduce` (first, mean or stride:K; check_frame_reduce) scores of `frames`."""
+    return list(range(0, frames, frames if reduce == "first" else 1 if reduce == "mean" else int(reduce[7:])))
 
 
 def check_frame_reduce(reduce: str):
-    """--frame-reduce first, mean or stride:K (K >= 1), else a one-line error."""
-    stride = reduce.split(":")
-    if reduce not in ("first", "mean") and not (
-            len(stride) == 2 and stride[0] == "stride" and stride[1].isdigit() and int(stride[1]) >= 1):
+    if not re.fullmatch(r"first|mean|stride:[1-9][0-9]*", reduce):
         fail(f"--frame-reduce {reduce!r} is not allowed; use first, mean or stride:K (K >= 1)")
 
 
@@ -803,23 +796,15 @@ def load_prompt_set(path: str, *, split: str = "train", rewards=()) -> list[str]
         fail(f"prompt file {path!r} is empty; it needs at least one prompt (one per line)")
     if {"ocr", "geneval"} & set(rewards):
         import_sibling("rewards").check_prompts(rewards, prompts, [f"line {n} of {path!r}" for n, _ in lines])
-    video_rewards = [r for r in rewards if r in VIDEO_TOY_REWARDS]
-    if video_rewards:
-        parse_video_prompt = import_sibling("toy.video_world").parse_video_prompt
-        for p in prompts:
+    for module, parser, names, world in (("toy.world", "parse_toy_prompt", TOY_REWARDS, "toy-world"), (
+            "toy.video_world", "parse_video_prompt", VIDEO_TOY_REWARDS, "moving-shapes")):
+        wanted = [r for r in rewards if r in names]
+        parse = import_sibling(module).__dict__[parser] if wanted else None
+        for p in prompts if wanted else []:
             try:
-                parse_video_prompt(p)
+                parse(p)
             except ValueError as e:
-                fail(f"prompt file {path!r}: {e}; the rewards {video_rewards} score moving-shapes prompts "
-                     f"only")
-    toy_rewards = [r for r in rewards if r.startswith("toy_") and r not in VIDEO_TOY_REWARDS]
-    if toy_rewards:
-        parse_toy_prompt = import_sibling("toy.world").parse_toy_prompt
-        for p in prompts:
-            try:
-                parse_toy_prompt(p)
-            except ValueError as e:
-                fail(f"prompt file {path!r}: {e}; the rewards {toy_rewards} score toy-world prompts only")
+                fail(f"prompt file {path!r}: {e}; the rewards {wanted} score {world} prompts only")
     return prompts
 
 
@@ -830,14 +815,6 @@ TOY_WORLD = dict(  # the part of every file's TOY preset that describes the toy 
     reward_combine="advantages", num_steps=16, eval_steps=16, group_size=12, micro_batch=48,
     full_finetune=True, gradient_checkpointing=False, ema=False, num_iterations=60, eval_every=20,
     eval_num=256, save_every=20, log_images_every=20)
-
-
-TOY_VIDEO_WORLD = dict(  # the moving-shapes world (toy/video_world.py) on top of a file's TOY preset
-    model="toy-video", guidance=4.5, prompts="toy-video", eval_prompts="toy-video",
-    rewards=("toy_frame", "toy_motion"), eval_rewards=("toy_frame_first", "toy_frame_mean", "toy_consistency",
-                                                       "toy_video_strict"),
-    num_frames=9, fps=8,
-    metrics=("toy_frame_first", "toy_frame_mean", "toy_motion", "toy_consistency", "toy_video_strict"))
 
 
 # each numeric argument's range (each value of a tuple), finite both ways: no value that breaks later passes

@@ -33,7 +33,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from common import (FAMILIES, JSON_DEPTH, MODEL_ALIASES, NFE, SECRETS, TEXT_ENCODERS, TOY_VIDEO_WORLD,
+from common import (FAMILIES, JSON_DEPTH, MODEL_ALIASES, NFE, SECRETS, TEXT_ENCODERS,
                     broadcast_object, check_guidance, close_distributed, decode, drop_text_encoders,
                     ema_update, encode_prompts, fail, family_of, gather_cat, gathered, is_main_rank,
                     latent_shape, load_pipeline, load_prompt_set, load_rewards, loggable, make_trainable,
@@ -90,6 +90,14 @@ def typed(name: str, default, value):
         fail(f"the checkpoint's run.json has --{name.replace('_', '-')} {shown(value)}, not the "
              f"{type(default).__name__} it takes; resume from another checkpoint, or give the flag")
     return float(value) if type(default) is float else value
+
+
+TOY_VIDEO_WORLD = dict(  # the moving-shapes world (toy/video_world.py) on top of a file's TOY preset
+    model="toy-video", guidance=4.5, prompts="toy-video", eval_prompts="toy-video",
+    rewards=("toy_frame", "toy_motion"), eval_rewards=("toy_frame_first", "toy_frame_mean", "toy_consistency",
+                                                       "toy_video_strict"),
+    num_frames=9, fps=8,
+    metrics=("toy_frame_first", "toy_frame_mean", "toy_motion", "toy_consistency", "toy_video_strict"))
 
 
 def toy_world_of(model: str | None) -> str | None:

@@ -294,15 +294,16 @@ def test_the_moving_shapes_world_is_each_files_toy_preset_in_its_world(monkeypat
     import json as json_
 
     import flow_grpo
+    import rundir
     copied = tmp_path / "wan-shapes"
     copied.mkdir()
     (copied / "toy_world.json").write_text(json_.dumps({"world": "video"}))
     for model in ("toy-video", str(copied)):
         monkeypatch.setattr("sys.argv", ["flow_grpo.py", "--model", model, "--fps", "4"])
-        args = common.parse_args(flow_grpo.Args, toy=flow_grpo.TOY, description="")
+        args = rundir.parse_args(flow_grpo.Args, toy=flow_grpo.TOY, description="")
         assert (args.model, args.num_frames, args.fps, args.prompts) == (model, 9, 4, "toy-video")
         assert args.rewards == ("toy_frame", "toy_motion") and "toy_video_strict" in args.eval_rewards
         assert args.learning_rate == flow_grpo.TOY["learning_rate"] and args.beta == flow_grpo.TOY["beta"]
     monkeypatch.setattr("sys.argv", ["flow_grpo.py", "--model", "toy"])
-    args = common.parse_args(flow_grpo.Args, toy=flow_grpo.TOY, description="")
+    args = rundir.parse_args(flow_grpo.Args, toy=flow_grpo.TOY, description="")
     assert args.num_frames is None and args.rewards == flow_grpo.TOY["rewards"]
