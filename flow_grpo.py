@@ -192,7 +192,7 @@ def sde_step(v, x, sigmas, i: int, noise_level: float, *, prev_sample=None, gene
     ODE's Euler step (log-prob 0). Returns (x_next, log_prob, mean, std)."""
     v, x = v.float(), x.float()
     sigma, dt = float(sigmas[i]), float(sigmas[i + 1]) - float(sigmas[i])
-    below = float(sigmas[1]) if sigma == 1 else sigma  # official: sigma = 1 -> sigmas[1] in the denominator
+    below = float(sigmas[1]) if sigma > 1 - 1e-4 else sigma  # official: sigma = 1 -> sigmas[1] (and 1 - 1e-6)
     g = noise_level * math.sqrt(sigma / (1 - below))
     mean, std = x + (v + g**2 / (2 * sigma) * (x + (1 - sigma) * v)) * dt, g * math.sqrt(-dt)
     if prev_sample is None:

@@ -93,7 +93,7 @@ def typed(name: str, default, value):
 
 
 TOY_VIDEO_WORLD = dict(  # the moving-shapes world (toy/video_world.py) on top of a file's TOY preset
-    model="toy-video", guidance=4.5, prompts="toy-video", eval_prompts="toy-video",
+    model="toy-video", guidance=1.0, prompts="toy-video", eval_prompts="toy-video",  # no CFG: samples better
     rewards=("toy_frame", "toy_motion"), eval_rewards=("toy_frame_first", "toy_frame_mean", "toy_consistency",
                                                        "toy_video_strict"),
     num_frames=9, fps=8,
@@ -124,7 +124,7 @@ def parse_args(args_class, *, toy: dict, description: str):
     argv = sys.argv[1:]
     given, resume = flag_values(argv, "--model"), flag_values(argv, "--resume")
     # the toy pipeline, by its alias or by its toy_world.json wherever it was copied (toy/make_toy.py,
-    # toy/make_video_toy.py: the moving-shapes world, common.TOY_VIDEO_WORLD over the file's preset)
+    # toy/make_video_toy.py: the moving-shapes world, rundir.TOY_VIDEO_WORLD over the file's preset)
     world = toy_world_of(given[-1] if given else None)
     wants_toy = world is not None
     saved = checkpoint_arguments(resume[-1]) if resume else None

@@ -289,7 +289,7 @@ def test_every_file_trains_a_video_model(wan_dirs, tmp_path, script):
 
 def test_the_moving_shapes_world_is_each_files_toy_preset_in_its_world(monkeypatch, tmp_path):
     """--model toy-video (or a directory whose toy_world.json says "video"): the file's TOY preset (its algorithm's
-    toy settings) with common.TOY_VIDEO_WORLD's world (9 frames, its prompts and rewards); --model toy keeps the
+    toy settings) with rundir.TOY_VIDEO_WORLD's world (9 frames, its prompts and rewards); --model toy keeps the
     image world; flags given still win."""
     import json as json_
 
@@ -307,3 +307,25 @@ def test_the_moving_shapes_world_is_each_files_toy_preset_in_its_world(monkeypat
     monkeypatch.setattr("sys.argv", ["flow_grpo.py", "--model", "toy"])
     args = rundir.parse_args(flow_grpo.Args, toy=flow_grpo.TOY, description="")
     assert args.num_frames is None and args.rewards == flow_grpo.TOY["rewards"]
+
+
+def test_the_sde_starts_from_the_shipped_schedules_first_level(wan_dirs):
+    """The shipped UniPC schedule starts at 1 - 1e-6, not 1: Flow-GRPO's g = a sqrt(sigma / (1 - sigma)) would be
+    a 1000 there (a step's std about 100: the rollout's latents blow up); every file's SDE takes sigmas[1] in the
+    denominator there, as the official code does at sigma = 1."""
+    import dancegrpo
+    import densegrpo
+    import flow_dppo
+    import flow_grpo
+    import g2rpo
+    import mixgrpo
+    pipe, kind = common.load_pipeline(wan_dirs["2.1"], torch.device("cpu"))
+    sigmas = common.pipeline_sigmas(pipe, kind, num_steps=16, shape=(4, 3, 8, 8))
+    assert 0 < 1 - float(sigmas[0]) < 1e-5
+    x = torch.randn(2, 4, 3, 8, 8, generator=torch.Generator().manual_seed(0))
+    a, dt = 0.7, float(sigmas[0] - sigmas[1])
+    expected = a * (float(sigmas[0]) / (1 - float(sigmas[1]))) ** 0.5 * dt ** 0.5
+    for module in (flow_grpo, densegrpo, flow_dppo, g2rpo, mixgrpo):
+        _, log_prob, _, std = module.sde_step(torch.zeros_like(x), x, sigmas, 0, a, generator=torch.Generator())
+        assert std == pytest.approx(expected, rel=1e-6) and std < 1 and torch.isfinite(log_prob).all(), module
+    assert dancegrpo.sde_step(torch.zeros_like(x), x, sigmas, 0, a, generator=torch.Generator())[3] < 1

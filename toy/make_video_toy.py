@@ -7,7 +7,7 @@ random init), and saves the pipeline with `save_pretrained` and its UniPC schedu
 checkpoints into --work, so a stopped run continues where it stopped. `--samples-only` loads a saved pipeline,
 measures it on held-out prompts with the project's sampler and writes an animated sample grid.
 
-    python toy/make_video_toy.py                    # VAE, latents, transformer (about an hour on 2 busy cores)
+    python toy/make_video_toy.py                    # VAE, latents, transformer (1.7 hours on 2 busy cores)
     python toy/make_video_toy.py --samples-only     # metrics + results/video_toy_samples.webp
 """
 import argparse
@@ -202,9 +202,9 @@ def save_samples(pipe, path: str, n: int = 12):
 
 def write_marker(out):
     """toy_world.json next to model_index.json: the algorithm files apply their TOY preset and the moving-shapes
-    world (common.TOY_VIDEO_WORLD) to a pipeline that has it, wherever it was copied."""
+    world (rundir.TOY_VIDEO_WORLD) to a pipeline that has it, wherever it was copied."""
     about = {"about": "the moving-shapes toy world's pipeline (toy/make_video_toy.py): --model <this directory> "
-                      "gets each file's TOY preset with common.TOY_VIDEO_WORLD", "world": "video",
+                      "gets each file's TOY preset with rundir.TOY_VIDEO_WORLD", "world": "video",
              "resolution": 32, "num_frames": FRAMES, "max_sequence_length": 16}
     with open(os.path.join(out, "toy_world.json"), "w") as f:
         json.dump(about, f, indent=1)
