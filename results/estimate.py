@@ -706,6 +706,21 @@ def rollout_steps(mod, script: str, args) -> dict:
     return {"latents": T + 1 + means, "log_probs": T, "velocities": velocities}
 
 
+def alone_after(fn):
+    """`fn`, after which no process group is left initialized: an estimate's fake group of `world` ranks would
+    make every later run in this process (the tests') gather its tensors `world` times."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        import torch.distributed as dist
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+    return wrapper
+
+
+@alone_after
 def estimate(name, script, argv, world, *, tiny=False, undo=(), phases=None, count_flops=True):
     """One command's per-rank phases: {"peak": {phase: bytes}, "flops": {phase: FLOPs}, "bytes": resident
     parts, ...}. `undo`: changes of UNDO to revert (measured ones); `phases`: run only these; `count_flops`:
