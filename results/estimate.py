@@ -62,11 +62,20 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "toy")]
 GIB = 2**30
 
-# The README's command lines: (name, script, arguments, GPUs). Single-GPU entry points come last.
+# The README's and docs/scale.md's command lines: (name, script, arguments, GPUs); `--only` takes their indices.
 LORA_1GPU = ("--prompts-per-iteration 1 --no-full-finetune --lora-rank 64 --lora-alpha 128 "
              "--learning-rate 1e-4 --eval-num 64")
 QWEN = "--model qwen-image --guidance 4 --lora-rank 64 --lora-alpha 128 --max-sequence-length 256"
 KLEIN9 = "--model flux2-klein-base-9b --guidance 4 --lora-rank 64 --lora-alpha 128"
+# the README's shell variables of its newer families' commands (L, K, D, Z), less the data paths
+README_L = "--lora-rank 64 --lora-alpha 128 --group-size 16"
+README_K = ("--guidance 4 --resolution 384 --num-steps 8 --eval-steps 28 --prompts-per-iteration 48 "
+            "--max-sequence-length 512 --beta 0 --lora-rank 64 --lora-alpha 128 --group-size 16")
+README_D = ("--model flux2-dev --guidance 4 --num-steps 8 --eval-steps 28 --prompts-per-iteration 48 "
+            "--max-sequence-length 512 --beta 0 --lora-rank 32 --lora-alpha 64 --micro-batch 2 --group-size 16 "
+            "--text-cache /cache/flux2-dev")
+README_Z = ("--model z-image --guidance 4 --prompts-per-iteration 48 --max-sequence-length 512 --beta 0 "
+            "--lora-rank 64 --lora-alpha 128 --group-size 16")
 COMMANDS = [
     ("Flow-GRPO, SD3.5-M, PickScore (LoRA)", "flow_grpo", "", 8),
     ("Flow-GRPO, FLUX.1-dev, PickScore (LoRA)", "flow_grpo", "--model flux-dev --num-steps 6 --eval-steps 28 "
@@ -84,10 +93,10 @@ COMMANDS = [
      "--full-finetune --no-ema", 8),
     ("AWM, SD3.5-M, PickScore (LoRA)", "awm", "", 8),
     ("AWM, FLUX.1-dev, PickScore (LoRA)", "awm", "--model flux-dev --eval-steps 28 --guidance 3.5", 8),
-    # the newer families (models.py), LoRA r64 as verl's Qwen-Image recipe (docs/flow_grpo.md)
-    ("Flow-GRPO, Qwen-Image, OCR (LoRA, verl's recipe)", "flow_grpo", "--model qwen-image --guidance 4 "
-     "--lora-rank 64 --lora-alpha 128 --learning-rate 3e-4 --prompts-per-iteration 32 --group-size 16 "
-     "--max-sequence-length 256 --noise-level 1.2 --rewards ocr", 8),
+    # the newer families (models.py), LoRA r64 as verl's Qwen-Image recipe; the first and third: the README's lines
+    ("Flow-GRPO, Qwen-Image, OCR (LoRA, verl's recipe, 4 GPUs)", "flow_grpo", "--model qwen-image --guidance 4 "
+     + README_L + " --rewards ocr --prompts-per-iteration 32 --max-sequence-length 256 --noise-level 1.2 --beta 0 "
+     "--eval-steps 50", 4),
     ("DiffusionNFT, Qwen-Image, PickScore (LoRA)", "diffusion_nft", QWEN, 8),
     ("AWM, Qwen-Image, PickScore (LoRA)", "awm", QWEN, 8),
     ("Flow-GRPO, FLUX.2 [klein] base 9B, PickScore (LoRA)", "flow_grpo", KLEIN9, 8),
@@ -112,7 +121,7 @@ COMMANDS = [
     ("1 GPU (24 GB): Flow-GRPO, FLUX.2 [klein] base 4B (LoRA, text cache)", "flow_grpo", "--model "
      "flux2-klein-base-4b --guidance 4 --lora-rank 32 --lora-alpha 64 --prompts-per-iteration 1 --group-size 8 "
      "--micro-batch 4 --eval-num 64 --text-cache /cache/klein4b", 1),
-    # the methods of 2026 (appended: the indices above are cited by results/estimate*.md)
+    # the methods of 2026
     ("DGPO, SD3.5-M, PickScore (LoRA)", "dgpo", "", 4),  # the official 4 GPUs
     ("DGPO, FLUX.1-dev, PickScore (LoRA)", "dgpo", "--model flux-dev --guidance 3.5 --eval-steps 28", 4),
     ("Flow-DPPO, SD3.5-M, PickScore (LoRA)", "flow_dppo", "", 8),
@@ -121,6 +130,29 @@ COMMANDS = [
      "--learning-rate 1e-4 --beta 0 --no-global-std --micro-batch 9", 8),
     ("1 GPU: DGPO, SD3.5-M (LoRA)", "dgpo", "--prompts-per-iteration 1 --eval-num 64", 1),
     ("1 GPU: Flow-DPPO, SD3.5-M (LoRA)", "flow_dppo", "--prompts-per-iteration 2 --eval-num 64", 1),
+    # the README's other commands for the newer families, from the public recipes (docs/models.md#recipes)
+    ("DiffusionNFT, Qwen-Image, OCR (LoRA, verl-omni's recipe, no CFG, 4 GPUs)", "diffusion_nft", "--model "
+     "qwen-image --guidance 1 " + README_L + " --rewards ocr --prompts-per-iteration 24 --max-sequence-length 256 "
+     "--nft-beta 0.1 --decay-type 2 --updates-per-iteration 2", 4),
+    ("Flow-GRPO, FLUX.2 [klein] base 9B, PickScore (LoRA, Flow-Factory's recipe, 384 px)", "flow_grpo",
+     "--model flux2-klein-base-9b " + README_K + " --noise-level 0.7", 8),
+    ("DiffusionNFT, FLUX.2 [klein] base 4B, PickScore (LoRA, Flow-Factory's recipe, 384 px)", "diffusion_nft",
+     "--model flux2-klein-base-4b " + README_K + " --nft-beta 0.1 --learning-rate 1e-4", 8),
+    ("AWM, FLUX.2 [klein] base 4B, PickScore (LoRA, Flow-Factory's recipe, 384 px)", "awm", "--model "
+     "flux2-klein-base-4b " + README_K + " --train-timesteps 4 --time-type discrete_wo_init --timestep-fraction 0.7 "
+     "--ema-beta 0.1 --kl-ema-decay 0.9 --adv-clip 1 --no-global-std --updates-per-iteration 2", 8),
+    ("Flow-GRPO, FLUX.2 [dev], CLIP + PickScore (LoRA r32, micro-batch 2, text cache, Flow-Factory's recipe)",
+     "flow_grpo", README_D + " --noise-level 1.0 --rewards clip pickscore --reward-weights 1 0.5", 8),
+    ("DiffusionNFT, FLUX.2 [dev], PickScore (LoRA r32, micro-batch 2, text cache, [klein]'s recipe)",
+     "diffusion_nft", README_D + " --nft-beta 0.1 --learning-rate 1e-4", 8),
+    ("AWM, FLUX.2 [dev], PickScore (LoRA r32, micro-batch 2, text cache, [klein]'s recipe)", "awm",
+     README_D + " --ema-beta 0.1 --kl-ema-decay 0.9 --adv-clip 1 --no-global-std", 8),
+    ("Flow-GRPO, Z-Image, PickScore (LoRA, Flow-Factory's recipe)", "flow_grpo", README_Z + " --noise-level 0.7",
+     8),
+    ("DiffusionNFT, Z-Image, PickScore (LoRA, Flow-Factory's recipe)", "diffusion_nft", README_Z
+     + " --nft-beta 0.1", 8),
+    ("AWM, Z-Image, PickScore (LoRA, [klein]'s recipe)", "awm", README_Z + " --ema-beta 0.1 --kl-ema-decay 0.9 "
+     "--adv-clip 1 --no-global-std", 8),
 ]
 # evaluate.py's evaluation of FLUX.1-dev, modelled with rundir.Run.evaluate's phases
 EVALUATE = dict(name="evaluate.py, FLUX.1-dev, 720 px, 50 steps, 400 prompts, 8 GPUs", kind="flux",
