@@ -805,6 +805,7 @@ ARG_RANGES = {
     "train_timesteps": ">= 1", "advantage_max": "> 0", "ghuber_power": "> 0", "ema_beta": ">= 0",  # AWM
     "kl_ema_decay": "[0, 1]", "flow_shift": "> 0", "trunc_steps": ">= 0", "beta_dpo": "> 0",  # DGPO
     "switch_ema_ref": ">= 0", "kl_threshold": ">= 0",  # Flow-DPPO
+    "ref_update_step": ">= 1", "crd_beta": "> 0", "weight_temp": ">= -1", "kl_cfg": ">= 0",  # DPO, CRD
     # evaluate.py
     "num_prompts": ">= 1", "seeds_per_prompt": ">= 1", "steps": ">= 1",
 }
