@@ -45,7 +45,7 @@ class Args:
     """compute dtype on CUDA; the trainable weights and the SDE math stay float32"""
     resolution: int = 512
     """image height and width in pixels"""
-    max_sequence_length: int = 128
+    max_sequence_length: int = 256
     """prompt length in tokens (T5's, or the family's text encoder's)"""
     text_cache: str | None = None
     """a directory of text embeddings, each prompt encoded once before training; no text encoder is kept"""

@@ -298,8 +298,8 @@ if __name__ == "__main__":
                     v_ref = velocity(transformer, kind, x_t, sigma, emb_c, guidance=args.guidance)
                 with amp:
                     v = velocity(transformer, kind, x_t, sigma, emb_c, guidance=args.guidance)
-                # each image's flow-matching error against the target noise - x0 (train:916-919)
-                error = lambda w: ((w.float() - (eps - x0).float()) ** 2).mean(dim=(1, 2, 3))  # noqa: E731
+                # each image's flow-matching error against the target noise - x0, in float64 (train:916-919)
+                error = lambda w: ((w.double() - (eps - x0).double()) ** 2).mean(dim=(1, 2, 3))  # noqa: E731
                 mse, mse_ref = error(v), error(v_ref)
                 w_diff, l_diff = (mse - mse_ref).chunk(2)  # the winners', the losers' (train:921-927)
                 inside_term = -0.5 * args.beta_dpo * (w_diff - l_diff)
