@@ -219,15 +219,16 @@ def stratified_steps(sigmas, k: int, n: int, *, fraction: float, generator):
 
 def centred_reward_loss(r_theta, reward, group, *, beta: float, loss: str, temperature: float):
     """CRD's loss per sample (_compute_crd_loss, crd.py:522-629) of implicit rewards r_theta [B] and rewards
-    in [0, 1] [B] of whole groups (group [B]: each sample's prompt), each centred by a weighted mean over its
-    group (the implicit one's detached): (beta Rc_theta - Rc)^2 ("mse") or the cross-entropy of sigmoid(beta
-    Rc_theta) against sigmoid(Rc) ("bce"). Weights: uniform (temperature < 0); else the mean of two centrings,
-    by softmax(r / T) and softmax(-r / T) (T > 0), or by softmax(r) over the r > 0 and over the r < 0 (T = 0;
-    an empty pool: uniform, as the second always is: crd.py compares the rewards in [0, 1] with 0)."""
+    in [0, 1] [B] of whole groups (group [B]: each sample's group, labels < B), each centred by a weighted
+    mean over its group (the implicit one's detached): (beta Rc_theta - Rc)^2 ("mse") or the cross-entropy of
+    sigmoid(beta Rc_theta) against sigmoid(Rc) ("bce"). Weights: uniform (temperature < 0); else the mean of
+    two centrings, by softmax(r / T) and softmax(-r / T) (T > 0), or by softmax(r) over the r > 0 and over the
+    r < 0 (T = 0; an empty pool: uniform, as the second always is: crd.py compares the rewards in [0, 1] with
+    0)."""
     reward = reward.to(r_theta.dtype)
 
     def centred(scores):  # the weights: softmax of the scores within each group (-inf: left out)
-        zeros = torch.zeros(int(group.max()) + 1, dtype=scores.dtype, device=scores.device)
+        zeros = torch.zeros(len(group), dtype=scores.dtype, device=scores.device)  # a slot per group label
         top = (zeros - math.inf).scatter_reduce(0, group, scores, "amax")[group]
         w = torch.where(top == -math.inf, 1.0, torch.exp(scores - top))  # a group with none: uniform
         mean = lambda z: (zeros.index_add(0, group, w * z) / zeros.index_add(0, group, w))[group]  # noqa: E731
@@ -333,7 +334,8 @@ if __name__ == "__main__":
                 weight = lambda w: (w.detach().double() - target).abs().mean(  # noqa: E731
                     dims, keepdim=True).clip(min=1e-5) if args.adaptive_weights else 1.0
                 r_theta = -((v - target) ** 2 / weight(v) - (v_old - target) ** 2 / weight(v_old)).mean(dims)
-                losses = centred_reward_loss(r_theta, r[c], group[c], beta=args.crd_beta, loss=args.crd_loss,
+                within = torch.arange(len(c), device=r_theta.device) // G  # the micro-batch's whole groups
+                losses = centred_reward_loss(r_theta, r[c], within, beta=args.crd_beta, loss=args.crd_loss,
                                              temperature=args.weight_temp)
                 policy_loss = losses.mean() * args.adv_clip / args.crd_beta  # crd.py:806-808
                 kl = kl_loss = torch.zeros_like(r_theta)

@@ -340,4 +340,4 @@ def test_one_and_two_processes_take_the_same_steps(tiny, tmp_path, full):
 ])
 def test_argument_checks(over, message):
     with pytest.raises(SystemExit, match=message):
-        check_args(crd, **over)
+        check_args(crd, **{"rewards": ("jpeg",), **over})  # (the default OCR reward needs requirements-ocr.txt)

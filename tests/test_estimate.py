@@ -85,6 +85,20 @@ def test_new_algorithms_rows():
     assert dance["bytes"]["reward models (bf16 towers)"] > 0  # HPS + CLIP
 
 
+def test_dpo_and_crd_rows():
+    """dpo.py holds its reference as a copy of the trainable weights (no frozen model), crd.py its old and sampling
+    snapshots; CRD's prompts carry the negatives of its CFG-guided KL reference at guidance 1; the NFE are the
+    files'."""
+    dpo = estimate.estimate(*command("Online Diffusion-DPO, SD3.5-M"), tiny=True)
+    crd = estimate.estimate(*command("CRD, SD3.5-M"), tiny=True)
+    for e, copies in ((dpo, 1), (crd, 2)):
+        b = e["bytes"]
+        assert b["old policy (float32)"] == copies * b["trainable (float32)"] > 0
+        assert e["nfe"] == __import__(e["script"]).planned_nfe(e["args"])
+    assert dpo["bytes"]["reference (bf16)"] == 0 and crd["bytes"]["reference (bf16)"] == 0  # LoRA: adapters off
+    assert crd["args"].guidance == 1.0 and crd["cfg"] and dpo["cfg"]
+
+
 def test_reward_models_and_evaluation_rows():
     """Float32 reward models hold ~2x the bytes of bf16 towers with float32 heads (ImageReward included); the
     evaluate.py row scores with float32 rewards and counts the ODE's NFE."""
