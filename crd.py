@@ -29,6 +29,8 @@ class Args:
     """seed of the experiment (prompts, noise and model initialisation)"""
     torch_deterministic: bool = True
     """sets `torch.backends.cudnn.deterministic`"""
+    threads: int | None = None
+    """torch threads per process on a CPU (none: $OMP_NUM_THREADS, else one per core that is not busy)"""
     track: bool = False
     """also log to Weights and Biases (syncs the TensorBoard logs)"""
     wandb_project: str = "flow-rl"
@@ -51,6 +53,9 @@ class Args:
     """a directory of text embeddings, each prompt encoded once before training; no text encoder is kept"""
     guidance: float = 1.0
     """classifier-free guidance scale (SD3, empty negative prompt) or guidance embedding (Flux)"""
+    detach_uncond: bool = False
+    """true CFG in the training forwards: no gradient through the unconditional prediction (Flow-GRPO's code
+    before 2025-08-19, a482878); by default the gradient flows through both, as in every current code base"""
 
     # Data and rewards
     prompts: str = "data/ocr/train.txt"
@@ -327,7 +332,8 @@ if __name__ == "__main__":
                 with torch.no_grad(), amp, swapped_in(params, old):  # before the graph needs the weights
                     v_old = velocity(transformer, kind, x_t, sigma, emb_c, guidance=args.guidance).float()
                 with amp:
-                    v = velocity(transformer, kind, x_t, sigma, emb_c, guidance=args.guidance).float()
+                    v = velocity(transformer, kind, x_t, sigma, emb_c, guidance=args.guidance,
+                                 detach_uncond=args.detach_uncond).float()
                 # the implicit reward (crd.py:753-777): the old model's error minus the policy's, each over
                 # its detached mean absolute error in float64 (adaptive_logp)
                 dims = (1, 2, 3)

@@ -30,6 +30,8 @@ class Args:
     """seed of the experiment (prompts, noise and model initialisation)"""
     torch_deterministic: bool = True
     """sets `torch.backends.cudnn.deterministic`"""
+    threads: int | None = None
+    """torch threads per process on a CPU (none: $OMP_NUM_THREADS, else one per core that is not busy)"""
     track: bool = False
     """also log to Weights and Biases (syncs the TensorBoard logs)"""
     wandb_project: str = "flow-rl"
@@ -52,6 +54,9 @@ class Args:
     """a directory of text embeddings, each prompt encoded once before training; no text encoder is kept"""
     guidance: float = 4.5
     """classifier-free guidance scale (SD3, empty negative prompt) or guidance embedding (Flux)"""
+    detach_uncond: bool = False
+    """true CFG in the training forwards: no gradient through the unconditional prediction (Flow-GRPO's code
+    before 2025-08-19, a482878); by default the gradient flows through both, as in every current code base"""
 
     # Data and rewards
     prompts: str = "data/pickscore/train.txt"
@@ -297,7 +302,8 @@ if __name__ == "__main__":
                 with torch.no_grad(), amp, swapped_in(params, ref):  # before the graph needs the weights
                     v_ref = velocity(transformer, kind, x_t, sigma, emb_c, guidance=args.guidance)
                 with amp:
-                    v = velocity(transformer, kind, x_t, sigma, emb_c, guidance=args.guidance)
+                    v = velocity(transformer, kind, x_t, sigma, emb_c, guidance=args.guidance,
+                                 detach_uncond=args.detach_uncond)
                 # each image's flow-matching error against the target noise - x0, in float64 (train:916-919)
                 error = lambda w: ((w.double() - (eps - x0).double()) ** 2).mean(dim=(1, 2, 3))  # noqa: E731
                 mse, mse_ref = error(v), error(v_ref)

@@ -166,10 +166,10 @@ def test_an_update_is_the_official_loss_and_the_snapshots_follow_their_laws(tiny
         return spy
 
     def velocity_spy(real):
-        def spy(transformer, kind, x, sigma, emb, *, guidance):
+        def spy(transformer, kind, x, sigma, emb, *, guidance, **kw):
             if torch.is_grad_enabled():
                 seen["forwards"].append((len(seen["steps"]), x.detach().clone(), sigma.clone(), emb, guidance))
-            return real(transformer, kind, x, sigma, emb, guidance=guidance)
+            return real(transformer, kind, x, sigma, emb, guidance=guidance, **kw)
         return spy
 
     def timesteps_spy(real):

