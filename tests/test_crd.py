@@ -301,16 +301,14 @@ def test_planned_nfe_is_measured_and_the_run_ends_with_its_summary(tiny, tmp_pat
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("full", [False, True], ids=["lora-ddp", "full-fsdp2"])
-def test_one_and_two_processes_take_the_same_steps(tiny, tmp_path, full):
+def test_one_and_two_processes_take_the_same_steps(tiny, tmp_path):
     """Every rank draws every rank's prompts, noise and timesteps, and a group is centred on its rank, so 1 process and
-    2 (LoRA averaging gradients, or FSDP2 sharding, the snapshots swapped-in shards) end two iterations with the same
-    weights (a resume restores the snapshots: tests/test_resume.py)."""
+    2 (FSDP2 sharding, the snapshots swapped-in shards) end two iterations with the same weights (the loss on 1 and 2
+    processes, LoRA too: tests/test_memory.py; a resume restores the snapshots: tests/test_resume.py)."""
     from test_diffusion_nft import exported
 
-    extra = {"full_finetune": True, "no_ema": True} if full else {}
     flags = dict(prompts_per_iteration=2, eval_every=0, num_iterations=2, train_timesteps=2, updates_per_iteration=1,
-                 ema_every=1, max_sequence_length=16, **extra)
+                 ema_every=1, max_sequence_length=16, full_finetune=True, no_ema=True)
     runs = []
     for nproc in (1, 2):
         run_script("crd.py", tiny_flags(tiny["flux"], tiny["prompts"], tmp_path / f"n{nproc}", **flags), nproc=nproc)

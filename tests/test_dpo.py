@@ -206,13 +206,13 @@ def test_planned_nfe_is_measured_and_the_run_ends_with_its_summary(tiny, tmp_pat
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("full", [False, True], ids=["lora-ddp", "full-fsdp2"])
-def test_torchrun_two_processes(tiny, tmp_path, full):
-    """2 processes (DDP LoRA, FSDP2 full fine-tuning, whose reference and rollout weights are swapped-in shards): every
-    rank trains its own prompts' pairs, the NFE is planned_nfe's, the reference moves on schedule, a checkpoint."""
-    extra = {"full_finetune": True, "no_ema": True, "learning_rate": 1e-3} if full else {}
+def test_torchrun_two_processes(tiny, tmp_path):
+    """2 processes, FSDP2 full fine-tuning (the reference that samples and moves: swapped-in shards): every rank
+    trains its own prompts' pairs, the NFE is planned_nfe's, a checkpoint (the loss on 1 and 2 processes, LoRA and
+    FSDP2: tests/test_memory.py, tests/dist_grad.py)."""
     run_script("dpo.py", tiny_flags(tiny["flux"], tiny["prompts"], tmp_path, prompts_per_iteration=4,
-                                    timestep_fraction=0.5, ref_update_step=1, **extra), nproc=2)
+                                    timestep_fraction=0.5, ref_update_step=1, full_finetune=True, no_ema=True,
+                                    learning_rate=1e-3), nproc=2)
     run, m = read_metrics(tmp_path)
     plan = dpo.planned_nfe(dpo.Args(num_steps=4, group_size=4, timestep_fraction=0.5))
     for it in (1, 2):
