@@ -144,8 +144,8 @@ class Args:
 
 
 # --model toy: a ~2M-parameter Flux on 32x32 shapes (docs/toy_world.md). Explicit flags still win.
-TOY = {**TOY_WORLD, "learning_rate": 1e-4, "prompts_per_iteration": 8, "global_std": False, "beta_dpo": 100.0,
-       "noise_level": 0.7, "timestep_fraction": 0.99, "updates_per_iteration": 1}
+TOY = {**TOY_WORLD, "learning_rate": 3e-5, "prompts_per_iteration": 8, "global_std": False, "beta_dpo": 1000.0,
+       "noise_level": 0.7, "timestep_fraction": 0.99, "updates_per_iteration": 1}  # the sweep: docs/dpo.md
 
 
 def check_args(args, world: int):
