@@ -155,8 +155,8 @@ class Args:
 
 
 # --model toy: a ~2M-parameter Flux on 32x32 shapes (docs/toy_world.md). Explicit flags still win.
-TOY = {**TOY_WORLD, "learning_rate": 1e-4, "prompts_per_iteration": 8, "global_std": False, "beta": 0.04,
-       "train_timesteps": 8, "kl_cfg": 3.5, "updates_per_iteration": 1, "ema_every": 1}
+TOY = {**TOY_WORLD, "learning_rate": 1e-4, "prompts_per_iteration": 8, "global_std": False,
+       "train_timesteps": 8, "kl_cfg": 3.5, "updates_per_iteration": 1}  # the toy samples at its guidance 3.5
 # the snapshots' decay presets (crd.py:50-64): (start, value, slope, end), d = value before `start` optimizer
 # steps, then min(value + (steps - start) slope, end)
 DECAYS = {"0": (0, 0.0, 0.0, 0.0), "1": (0, 0.0, 0.001, 0.5), "2": (75, 0.0, 0.0075, 0.999),
