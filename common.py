@@ -1,7 +1,8 @@
 """The module the algorithm files share: what each of them may treat as a black box, as plain functions, in
 the order a port to another code base needs.
 
-0. fail: a one-line error instead of a traceback
+0. fail: a one-line error instead of a traceback; parse_json (data from outside, within bounds), shown (a
+   value from outside in a message, short and escaped)
 1. Samplers, mini-batches and CoCA's credit: shifted_sigmas, dpm2_step (DiffusionNFT's sampler),
    dpm_schedule, dpm_solver (DGPO's), sa_solver_update, sa_solver (AWM's), training_minibatches, rank_chunks,
    micro_batches (each rank's training terms), coca_credit (flow_grpo.py --credit coca; here so that its four
@@ -12,7 +13,7 @@ the order a port to another code base needs.
 3. Rewards and prompts: RewardModels, loggable (secrets hidden), REWARD_FUNCTIONS (JPEG, your own),
    load_rewards (HPS-v2.1, CLIP score, PickScore, ImageReward, aesthetic, UnifiedReward, OCR, GenEval, DeQA:
    rewards.py; the toy world's), score, load_prompt_set
-4. Run plumbing: TOY_WORLD, parse_args, check_common_args, setup_distributed, close_distributed, gather_cat,
+4. Run plumbing: TOY_WORLD, check_common_args, setup_distributed, close_distributed, gather_cat,
    sum_over_ranks, broadcast_object, iteration_generator, optimizer_step, ema_update, swapped_in
 
 What an algorithm is (its policy's log-probability, its advantages, its loss, KL and statistics) is written in
@@ -23,9 +24,12 @@ import contextlib
 import dataclasses
 import gc
 import io
+import itertools
 import json
 import math
 import os
+import re
+import reprlib
 import sys
 
 import numpy as np
@@ -35,7 +39,7 @@ import torch.distributed as dist
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-# ======== 0. Errors ========
+# ======== 0. Errors and data from outside ========
 def fail(message: str):
     """Stop with a one-line error (no traceback): bad input says what was wrong and what is allowed."""
     raise SystemExit(f"error: {message}")
@@ -70,6 +74,35 @@ except ModuleNotFoundError as e:
     if e.name != "models":
         raise
     fail(missing_file("models"))
+
+
+JSON_DEPTH, JSON_DIGITS = 32, 64  # outside JSON: nested arrays / objects, an integer's digits (parse_json)
+
+
+def parse_json(data: str | bytes, *, limit: int = 1 << 20, depth: int = JSON_DEPTH):
+    """JSON from outside (a file, a server, a prompt row) within `limit` bytes, `depth` levels and integers of
+    JSON_DIGITS digits, checked before json.loads recurses or converts, else ValueError (copy: rewards.py)."""
+    if len(data) > limit:
+        raise ValueError(f"{len(data):,} bytes, more than {limit:,}")
+    text = data.decode("utf-8") if isinstance(data, (bytes, bytearray)) else data
+    bare = re.sub(r'"[^"]*"', "", re.sub(r"\\.", "", text, flags=re.S))  # escapes, then strings out
+    brackets = re.sub(r"[^][{}]", "", bare)
+    if max(itertools.accumulate(1 if c in "[{" else -1 for c in brackets), default=0) > depth:
+        raise ValueError(f"nested deeper than {depth} levels")
+    return json.loads(text, parse_int=_bounded_int)
+
+
+def _bounded_int(digits: str) -> int:
+    if len(digits.lstrip("-")) > JSON_DIGITS:
+        raise ValueError(f"an integer of {len(digits.lstrip('-')):,} digits, more than {JSON_DIGITS}")
+    return int(digits)
+
+
+def shown(value) -> str:
+    """A value from outside (text, bytes, parse_json's values) for a message: reprlib's short repr, at most
+    160 characters, control characters escaped: no terminal escape sequence reaches the screen."""
+    text = reprlib.repr(value)
+    return text if len(text) <= 160 else text[:157] + "..."
 
 
 # ======== 1. Samplers, mini-batches, CoCA's credit (torch only) ========
@@ -616,6 +649,8 @@ def load_rewards(names, device, *, models: RewardModels, dtype=torch.float32) ->
             out[name] = import_sibling("rewards").load(name, device, models=models, dtype=dtype)
         elif name in REWARD_FUNCTIONS:
             out[name] = REWARD_FUNCTIONS[name]
+        elif name == "toy_proxy":  # the toy world's learned proxy (toy/proxy.py), its weights checked now
+            out[name] = import_sibling("toy.proxy").load_reward(device)
         else:  # the toy world's exact rewards (toy/world.py)
             world = import_sibling("toy.world")
             out[name] = getattr(world, {"toy_strict": "toy_strict_accuracy"}.get(name, name + "_reward"))
@@ -668,27 +703,39 @@ def load_prompt_set(path: str, *, split: str = "train", rewards=()) -> list[str]
     if not os.path.isfile(path):
         fail(f"prompt file {path!r} does not exist; docs/rewards.md 'Prompt sets' says where each paper's "
              f"prompts come from (or pass any text file with one prompt per line)")
+    lines = []
     try:
         with open(path, encoding="utf-8") as f:
-            lines = [(n, line.strip()) for n, line in enumerate(f, 1) if line.strip()]
+            while line := f.readline((1 << 20) + 1):  # a line at most 1 Mi characters: never a whole file
+                if len(line) > 1 << 20:
+                    fail(f"line {len(lines) + 1} of prompt file {path!r} is longer than 1,048,576 "
+                         f"characters; a prompt per line")
+                lines.append(line.strip())
     except UnicodeDecodeError as e:
         fail(f"prompt file {path!r} is not UTF-8 text (byte {e.start}); save it as UTF-8, a prompt per line")
-    if not path.endswith(".jsonl"):
-        prompts = [line for _, line in lines]
-    else:
-        prompts = []
-        for n, line in lines:
+    lines = [(n, line) for n, line in enumerate(lines, 1) if line]
+    prompts = []
+    for n, line in lines:
+        row = None
+        if path.endswith(".jsonl"):
             try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                row = None
+                row = parse_json(line)
+            except ValueError as e:  # no JSON, or beyond parse_json's bounds
+                row = "" if isinstance(e, json.JSONDecodeError) else f" ({e})"
             if not isinstance(row, dict) or "prompt" not in row:
-                fail(f"line {n} of prompt file {path!r} is not a JSON object with a prompt field; each line "
-                     f"of a .jsonl file must be one")
+                fail(f"line {n} of prompt file {path!r} is not a JSON object with a prompt field"
+                     f"{row if isinstance(row, str) else ''}; each line of a .jsonl file must be one")
             if not isinstance(row["prompt"], str) or not row["prompt"].strip():
                 fail(f"line {n} of prompt file {path!r} has the prompt {json.dumps(row['prompt'])[:60]}; a "
                      f"prompt must be a non-empty string")
-            prompts.append(Prompt(row["prompt"], row))
+        text = row["prompt"] if row else line
+        bad = re.search(r"[\x00-\x08\x0a-\x1f\x7f-\x9f\ud800-\udfff]", text)
+        if bad:
+            what = "a NUL character" if bad[0] == "\0" else "a lone surrogate" if bad[0] >= "\ud800" else \
+                "a control character"
+            fail(f"line {n} of prompt file {path!r} has {what} ({shown(bad[0])}) in its prompt; a prompt is "
+                 f"text: no control character but tab, no lone surrogate")
+        prompts.append(Prompt(text, row) if row else text)
     if not prompts:
         fail(f"prompt file {path!r} is empty; it needs at least one prompt (one per line)")
     if {"ocr", "geneval"} & set(rewards):
@@ -713,114 +760,40 @@ TOY_WORLD = dict(  # the part of every file's TOY preset that describes the toy 
     eval_num=256, save_every=20, log_images_every=20)
 
 
-def flag_values(argv: list, flag: str) -> list:
-    """The values given to `flag` on a command line, as `--flag value` or `--flag=value`."""
-    return [b for a, b in zip(argv, argv[1:]) if a == flag] + [a[len(flag) + 1:] for a in argv
-                                                              if a.startswith(flag + "=")]
-
-
-def checkpoint_arguments(path: str) -> dict | None:
-    """The arguments run.json records in the newest checkpoint of a run directory (or of a checkpoint
-    directory), or None where there is none that reads (rundir.resume_checkpoint then says why)."""
-    root = os.path.join(path, "checkpoints")
-    names = [n for n in (os.listdir(root) if os.path.isdir(root) else []) if not n.endswith(".tmp")
-             and n.startswith("iter_") and n[len("iter_"):].isdigit()]
-    newest = os.path.join(root, max(names, key=lambda n: int(n[len("iter_"):]))) if names else path
-    try:
-        with open(os.path.join(newest, "run.json"), encoding="utf-8") as f:
-            saved = json.loads(f.read(1 << 20))
-    except (OSError, ValueError, RecursionError):
-        return None
-    return saved.get("args") if isinstance(saved, dict) and isinstance(saved.get("args"), dict) else None
-
-
-def arguments_from(args_class, saved: dict):
-    """An Args of `args_class` holding the values of a checkpoint's run.json (tuples from its lists, the
-    reward models' fields, secrets left out: <hidden> in the file); fields it lacks keep their defaults."""
-    base, values = args_class(), {}
-    for f in dataclasses.fields(args_class):
-        if f.name not in saved or f.name == "resume":
-            continue
-        default, value = getattr(base, f.name), saved[f.name]
-        if dataclasses.is_dataclass(default) and isinstance(value, dict):
-            known = {g.name for g in dataclasses.fields(default)}
-            value = dataclasses.replace(default, **{k: v for k, v in value.items()
-                                                    if k in known and k not in SECRETS})
-        elif isinstance(default, tuple) and isinstance(value, list):
-            value = tuple(value)
-        values[f.name] = value
-    return dataclasses.replace(base, **values)
-
-
-def parse_args(args_class, *, toy: dict, description: str):
-    """The command line parsed by tyro. With --model toy the TOY preset gives the defaults, and with --resume
-    DIR the arguments its checkpoint recorded, so flags passed explicitly still win (rundir.resume_checkpoint
-    says which) and --help shows those defaults; `--help | head` exits quietly."""
-    import tyro
-    argv = sys.argv[1:]
-    given, resume = flag_values(argv, "--model"), flag_values(argv, "--resume")
-    # the toy pipeline, by its alias or by its toy_world.json wherever it was copied (toy/make_toy.py)
-    marker = bool(given) and os.path.isfile(os.path.join(given[-1], "toy_world.json"))
-    wants_toy = bool(given) and (given[-1] == "toy" or marker)
-    saved = checkpoint_arguments(resume[-1]) if resume else None
-    default = dataclasses.replace(args_class(), **toy) if wants_toy else args_class()
-    if saved is not None:
-        default = arguments_from(args_class, saved)
-        description += " (--resume: the defaults below are the arguments its checkpoint recorded)"
-    elif wants_toy:
-        description += " (--model toy: the defaults below are the file's TOY preset)"
-    try:
-        args = tyro.cli(args_class, default=default, description=description)
-        for i, a in enumerate(sys.argv):  # a secret never stays in sys.argv, which wandb uploads
-            if a.startswith("--unifiedreward-api-key") and a != "--unifiedreward-api-key":
-                sys.argv[i] = "--unifiedreward-api-key=<hidden>"
-            elif i and sys.argv[i - 1] == "--unifiedreward-api-key":
-                sys.argv[i] = "<hidden>"
-        return args
-    except SystemExit:
-        with contextlib.suppress(BrokenPipeError):
-            sys.stdout.flush()
-        raise
-    except BrokenPipeError:  # --help piped into a program that stopped reading
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        sys.exit(0)
-
-
-# what each numeric argument of the entry points allows: "> a", ">= a" or an interval (each value of a tuple)
+# each numeric argument's range (each value of a tuple), finite both ways: no value that breaks later passes
 ARG_RANGES = {
-    "seed": ">= 0", "resolution": ">= 1", "max_sequence_length": ">= 1", "guidance": ">= 0",
-    "reward_weights": "> 0", "num_steps": ">= 1", "eval_steps": ">= 1", "group_size": ">= 2",
-    "prompts_per_iteration": ">= 1", "micro_batch": ">= 1", "noise_level": ">= 0", "shift": "> 0",
-    "timestep_fraction": "(0, 1]", "adv_eps": ">= 0", "adv_clip": "> 0", "clip_range": "> 0", "beta": ">= 0",
-    "lora_rank": ">= 1", "lora_alpha": "> 0", "learning_rate": "> 0", "weight_decay": ">= 0",
-    "max_grad_norm": "> 0", "updates_per_iteration": ">= 1", "ema_decay": "[0, 1)", "ema_every": ">= 1",
-    "num_iterations": ">= 1", "eval_every": ">= 0", "eval_num": ">= 1", "save_every": ">= 0",
-    "keep_checkpoints": ">= 0", "log_images_every": ">= 0", "reward_timeout": "> 0", "reward_retries": ">= 0",
-    "threads": ">= 1",
-    # algorithm specific: CoCA, DenseGRPO, G2RPO, MixGRPO, DiffusionNFT, AWM
-    "coca_window": ">= 1", "coca_alpha": "[0, 1]", "dense_ode_steps": ">= 1", "eps1": "> 0", "eps2": "> 0",
-    "psi_range": "[0, 10]", "sde_steps": ">= 0", "lambdas": ">= 1", "window_size": ">= 1",
-    "window_stride": ">= 0", "window_shift_interval": ">= 1", "flash_compress": "(0, 1]",
-    "nft_beta": "> 0", "decay_type": "[0, 2]",  # DiffusionNFT
-    "train_timesteps": ">= 1", "advantage_max": "> 0", "ghuber_power": "> 0", "ema_beta": ">= 0",  # AWM
-    "kl_ema_decay": "[0, 1]", "flow_shift": "> 0", "trunc_steps": ">= 0", "beta_dpo": "> 0",  # DGPO
-    "switch_ema_ref": ">= 0", "kl_threshold": ">= 0",  # Flow-DPPO
-    "ref_update_step": ">= 1", "crd_beta": "> 0", "weight_temp": ">= -1", "kl_cfg": ">= 0",  # DPO, CRD
+    "seed": "[0, 1e12]", "resolution": "[1, 16384]", "max_sequence_length": "[1, 65536]",
+    "guidance": "[0, 100]", "reward_weights": "(0, 1e6]", "num_steps": "[1, 1000]", "eval_steps": "[1, 1000]",
+    "group_size": "[2, 4096]", "prompts_per_iteration": "[1, 1e6]", "micro_batch": "[1, 1e6]",
+    "noise_level": "[0, 10]", "shift": "[0.01, 100]", "timestep_fraction": "(0, 1]", "adv_eps": "[0, 1]",
+    "adv_clip": "(0, 1e6]", "clip_range": "(0, 100]", "beta": "[0, 1e6]", "lora_rank": "[1, 65536]",
+    "lora_alpha": "(0, 1e6]", "learning_rate": "(0, 1]", "weight_decay": "[0, 100]",
+    "max_grad_norm": "(0, 1e9]", "updates_per_iteration": "[1, 1e6]", "ema_decay": "[0, 1)",
+    "ema_every": "[1, 1e9]", "num_iterations": "[1, 1e9]", "eval_every": "[0, 1e9]", "eval_num": "[1, 1e7]",
+    "save_every": "[0, 1e9]", "keep_checkpoints": "[0, 1e9]", "log_images_every": "[0, 1e9]",
+    "reward_timeout": "(0, 86400]", "reward_retries": "[0, 100]", "threads": "[1, 4096]",
+    # algorithm specific: CoCA, DenseGRPO, G2RPO, MixGRPO, DiffusionNFT, AWM, DGPO, Flow-DPPO
+    "coca_window": "[1, 1000]", "coca_alpha": "[0, 1]", "dense_ode_steps": "[1, 1000]", "eps1": "(0, 1e4]",
+    "eps2": "(0, 10]", "psi_range": "[0, 10]", "sde_steps": "[0, 1000]", "lambdas": "[1, 1000]",
+    "window_size": "[1, 1000]", "window_stride": "[0, 1000]", "window_shift_interval": "[1, 1e9]",
+    "flash_compress": "(0, 1]", "nft_beta": "(0, 100]", "decay_type": "[0, 2]",
+    "train_timesteps": "[1, 1000]", "advantage_max": "(0, 1e6]", "ghuber_power": "(0, 10]",
+    "ema_beta": "[0, 1e6]", "kl_ema_decay": "[0, 1]", "flow_shift": "[0.01, 100]", "trunc_steps": "[0, 1000]",
+    "beta_dpo": "(0, 1e5]", "switch_ema_ref": "[0, 1e9]", "kl_threshold": "[0, 1e6]",
+    # online DPO, CRD
+    "ref_update_step": "[1, 1e9]", "crd_beta": "(0, 1e6]", "weight_temp": "[-1, 1e6]", "kl_cfg": "[0, 100]",
     # evaluate.py
-    "num_prompts": ">= 1", "seeds_per_prompt": ">= 1", "steps": ">= 1",
+    "num_prompts": "[1, 1e7]", "seeds_per_prompt": "[1, 1e4]", "steps": "[1, 1000]",
 }
 
 
 def in_range(value, rule: str) -> bool:
-    """A finite number (not a bool) that satisfies `rule`: "> a", ">= a", "(a, b]", "[a, b]", "[a, b)"..."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    """A finite number (not a bool, no integer beyond any float) within `rule`: "(a, b]", "[a, b)" ..."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not abs(value) <= 1e300:  # NaN too
         return False
-    if rule[0] in "([":
-        low, high = (float(x) for x in rule[1:-1].split(","))
-        above = low <= value if rule[0] == "[" else low < value
-        return above and (value <= high if rule[-1] == "]" else value < high)
-    op, bound = rule.split()
-    return value >= float(bound) if op == ">=" else value > float(bound)
+    low, high = (float(x) for x in rule[1:-1].split(","))
+    above = low <= value if rule[0] == "[" else low < value
+    return above and (value <= high if rule[-1] == "]" else value < high)
 
 
 def check_ranges(args, ranges: dict):
@@ -830,8 +803,7 @@ def check_ranges(args, ranges: dict):
         value = getattr(args, name, None)
         for v in value if isinstance(value, tuple) else [value]:
             if v is not None and not isinstance(v, str) and not in_range(v, rule):
-                allowed = f"in {rule}" if rule[0] in "([" else rule
-                fail(f"--{name.replace('_', '-')} {v} is not allowed; use a value {allowed}")
+                fail(f"--{name.replace('_', '-')} {shown(v)} is not allowed; use a value in {rule}")
 
 
 def check_output_path(path: str, *, flag: str, directory: bool):
@@ -877,10 +849,15 @@ def setup_distributed():
     a shell; bad values; no peer within RENDEZVOUS_TIMEOUT s) stops in one line."""
     from datetime import timedelta
     env = {k: os.environ.get(k) for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    numbers = {k: int(v) if v is not None and v.strip().isdigit() else v for k, v in env.items()}
-    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_PORT"):
-        if numbers[k] is not None and not isinstance(numbers[k], int):
-            fail(f"{k}={env[k]!r} in the environment is not a number; launch with torchrun, or unset it")
+    numbers = {k: int(v) if v and re.fullmatch(r"\s*[0-9]{1,9}\s*", v) else v for k, v in env.items()}
+    for k, low, high in ("WORLD_SIZE", 1, 10**6), ("RANK", 0, 10**6), ("LOCAL_RANK", 0, 10**6), \
+            ("MASTER_PORT", 1, 65535):
+        if numbers[k] is not None and not (isinstance(numbers[k], int) and low <= numbers[k] <= high):
+            fail(f"{k}={shown(env[k])} in the environment is not a number in [{low}, {high}]; launch with "
+                 f"torchrun, or unset it")
+    wait = os.environ.get("RENDEZVOUS_TIMEOUT", str(RENDEZVOUS_TIMEOUT))
+    if not re.fullmatch(r"\s*[0-9]{1,9}(\.[0-9]{0,9})?\s*", wait) or not 0 < float(wait) <= 86400:
+        fail(f"RENDEZVOUS_TIMEOUT={shown(wait)} in the environment is not a number of seconds in (0, 86400]")
     world = numbers["WORLD_SIZE"] if numbers["WORLD_SIZE"] is not None else 1
     local_rank = numbers["LOCAL_RANK"] or 0
     device = torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
@@ -893,7 +870,7 @@ def setup_distributed():
             fail(f"RANK={numbers['RANK']} is not below WORLD_SIZE={world}; launch with torchrun")
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        wait = float(os.environ.get("RENDEZVOUS_TIMEOUT", RENDEZVOUS_TIMEOUT))
+        wait = float(wait)
         try:  # the rendezvous first, bounded: the other ranks must join within `wait` seconds
             store, rank, _ = next(dist.rendezvous("env://", timeout=timedelta(seconds=wait)))
         except (RuntimeError, ValueError, OSError) as e:

@@ -12,9 +12,9 @@ import torch
 import tyro
 
 from common import (TOY_WORLD, RewardModels, as_reference, check_common_args, decode, encode_prompts, fail,
-                    gather_cat, gathered, iteration_generator, micro_batches, parse_args, pipeline_sigmas,
-                    score, select, velocities, velocity)
-from rundir import Stats, start_run
+                    gather_cat, gathered, iteration_generator, micro_batches, pipeline_sigmas, score, select,
+                    velocities, velocity)
+from rundir import Stats, parse_args, start_run
 # algorithm specific
 import torch.nn.functional as F
 

@@ -13,8 +13,8 @@ import tyro
 
 from common import (TOY_WORLD, RewardModels, as_reference, check_common_args, check_output_path, decode,
                     encode_prompts, fail, gather_cat, gathered, iteration_generator, micro_batches,
-                    parse_args, pipeline_sigmas, score, select, training_minibatches, velocities, velocity)
-from rundir import Stats, start_run
+                    pipeline_sigmas, score, select, training_minibatches, velocities, velocity)
+from rundir import Stats, parse_args, start_run
 # algorithm specific
 from common import ode_complete
 from rundir import load_psi, psi_path, save_psi

@@ -13,9 +13,9 @@ import torch
 import tyro
 
 from common import (TOY_WORLD, RewardModels, check_common_args, decode, encode_prompts, fail,
-                    gather_cat, gathered, iteration_generator, micro_batches, parse_args, pipeline_sigmas,
-                    score, select, training_minibatches, velocities, velocity)
-from rundir import Stats, start_run
+                    gather_cat, gathered, iteration_generator, micro_batches, pipeline_sigmas, score, select,
+                    training_minibatches, velocities, velocity)
+from rundir import Stats, parse_args, start_run
 # algorithm specific
 import torch.nn.functional as F
 
@@ -144,8 +144,9 @@ class Args:
 
 
 # --model toy: a ~2M-parameter Flux on 32x32 shapes (docs/toy_world.md). Explicit flags still win.
-TOY = {**TOY_WORLD, "learning_rate": 3e-5, "prompts_per_iteration": 8, "global_std": False, "beta_dpo": 1000.0,
-       "noise_level": 0.7, "timestep_fraction": 0.99, "updates_per_iteration": 1}  # the sweep: docs/dpo.md
+TOY = {**TOY_WORLD, "learning_rate": 3e-5, "prompts_per_iteration": 8, "global_std": False,
+       "beta_dpo": 1000.0, "noise_level": 0.7, "timestep_fraction": 0.99,
+       "updates_per_iteration": 1}  # the sweep: docs/dpo.md
 
 
 def check_args(args, world: int):

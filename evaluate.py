@@ -30,11 +30,13 @@ reward server; docs/rewards.md, GenEval, OCR and DeQA-Score, has the task metric
 
 The toy world (base model against a toy run's newest checkpoint, 64 prompts x 4 seeds):
     python evaluate.py --model toy --checkpoints runs/<toy run>"""
+import errno
 import functools
 import gc
 import json
 import math
 import os
+import sys
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -44,9 +46,12 @@ import tyro
 from common import (ARG_RANGES, MODEL_ALIASES, RewardModels, as_reference, broadcast_object, check_guidance,
                     check_output_path, check_ranges, check_rewards, close_distributed, decode,
                     drop_text_encoders, encode_prompts, fail, gather_cat, latent_shape, load_pipeline,
-                    load_prompt_set, load_rewards, loggable, ode_complete, parse_args, pipeline_sigmas, place,
-                    score, select, setup_distributed, velocity)
-from rundir import decimals, latest_checkpoint, paired_change, write_atomically
+                    load_prompt_set, load_rewards, loggable, ode_complete, pipeline_sigmas, place, score,
+                    select, setup_distributed, velocity)
+from rundir import (check_model_directory, decimals, hold_run_directory, latest_checkpoint, paired_change,
+                    parse_args, read_run_json, safetensors_header, stop_on_write_error, use_checkpoint,
+                    weights_fingerprint, write_atomically)
+from rundir import read_json as read_bounded_json
 
 
 @dataclass
@@ -110,11 +115,10 @@ TRANSFORMER_FILES = ("diffusion_pytorch_model.safetensors", "diffusion_pytorch_m
 
 
 def read_json(path: str):
-    """A JSON file's content, or None if it is missing or unreadable."""
+    """A JSON file's content (within parse_json's bounds), or None if it is missing or unreadable."""
     try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, json.JSONDecodeError):
+        return read_bounded_json(path)
+    except (OSError, ValueError):
         return None
 
 
@@ -156,26 +160,18 @@ def check_safetensors(given: str, weights: str):
     header says (a copy or an export that was cut short would fail only after the base model was scored)."""
     for name in sorted(f for f in os.listdir(weights) if f.endswith(".safetensors")):
         path = os.path.join(weights, name)
-        size = os.path.getsize(path)
         try:
-            with open(path, "rb") as f:
-                n = int.from_bytes(f.read(8), "little")
-                header = json.loads(f.read(n)) if 8 + n <= size else None
-            end = max([t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"], default=0)
-        except (ValueError, TypeError, KeyError, AttributeError):  # not JSON, not a header of tensors
-            header = end = None
-        if header is None or size != 8 + n + end:
-            fail(f"--checkpoints {given!r}: {path} is cut short or no safetensors file ({size:,} bytes); "
-                 f"export or copy it again")
+            safetensors_header(path)  # within bounds: a header nested 100,000 deep is no recursion
+        except (OSError, ValueError):
+            fail(f"--checkpoints {given!r}: {path} is cut short or no safetensors file "
+                 f"({os.path.getsize(path):,} bytes); export or copy it again")
 
 
 def tensor_shapes(weights: str) -> dict:
     """{name: shape} of every tensor in a weights directory's .safetensors files, from their headers."""
     shapes = {}
     for name in sorted(f for f in os.listdir(weights) if f.endswith(".safetensors")):
-        with open(os.path.join(weights, name), "rb") as f:
-            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
-        shapes.update({k: tuple(t["shape"]) for k, t in header.items() if k != "__metadata__"})
+        shapes.update(safetensors_header(os.path.join(weights, name)))  # (checked by check_safetensors)
     return shapes
 
 
@@ -240,16 +236,22 @@ def resolve_checkpoint(given: str, model: str) -> dict:
         fail(f"--checkpoints {given!r} is neither a LoRA directory ({LORA_FILE}), a transformer directory "
              f"(config.json and {TRANSFORMER_FILES[0]}[.index.json]), a checkpoint (run.json) nor a run "
              f"directory with checkpoints/iter_<N>")
-    run = read_json(os.path.join(os.path.dirname(path), "run.json"))
-    trained = run.get("args", {}).get("model") if isinstance(run, dict) else None
+    ckpt = os.path.dirname(path)
+    in_checkpoint = os.path.isfile(os.path.join(ckpt, "run.json"))
+    if in_checkpoint and not use_checkpoint(ckpt):  # held from here on: a live run's pruning leaves it alone
+        fail(f"--checkpoints {given!r}: checkpoint {ckpt!r} was removed as it was opened (a live run's "
+             f"--keep-checkpoints); pass it again")
+    run = read_run_json(ckpt, need={"iteration": int, "args": dict}, args=("model",)) if in_checkpoint \
+        else None
+    trained = run["args"].get("model") if run else None
     if trained is not None and model_identity(trained) != model_identity(model):
         fail(f"--checkpoints {given!r} was trained with --model {trained!r} (its run.json), not {model!r}; "
              f"pass --model {trained}")
     if kind == "transformer":
         check_transformer(given, path, model)
     check_safetensors(given, path)
-    iteration = run.get("iteration") if isinstance(run, dict) else None
-    return {"name": given, "path": path, "weights": kind, "iteration": iteration}
+    return {"name": given, "path": path, "weights": kind, "iteration": run["iteration"] if run else None,
+            "base_weights": run.get("base_weights") if run else None}
 
 
 def check_args(args) -> tuple[list[dict], list[tuple[str, int]]]:
@@ -278,6 +280,20 @@ def check_args(args) -> tuple[list[dict], list[tuple[str, int]]]:
     pairs = [(prompts[k % len(prompts)], 10**6 * (args.seed + 1) + k) for k in range(num_pairs)]
     base = [{"name": "base", "path": args.model, "weights": "base", "iteration": None}] if args.base else []
     return base + [resolve_checkpoint(c, args.model) for c in args.checkpoints], pairs
+
+
+def reserve_space(out: str, *, entries: int, metrics: int, pairs: list):
+    """Room on the disk for scores.json and table.md, taken before any work (<out>/scores.json.reserved, which
+    the end frees to write them): a full disk fails here, in one line, not after everything was scored."""
+    prompts = sum(len(p) + 30 for p, _ in pairs)  # settings: every pair's prompt and noise seed
+    need = 2 * (prompts + entries * (metrics + 16) * len(pairs) * 24) + (1 << 16)  # 16: GenEval's per tag
+    with stop_on_write_error(out), open(os.path.join(out, "scores.json.reserved"), "wb") as f:
+        try:
+            os.posix_fallocate(f.fileno(), 0, need)
+        except OSError as e:
+            if e.errno == errno.ENOSPC:
+                fail(f"--out {out!r} has no room for the {need:,} bytes of scores.json and table.md (No "
+                     f"space left on device); free space or pass another --out")
 
 
 @torch.no_grad()
@@ -356,6 +372,16 @@ if __name__ == "__main__":
     args = parse_args(Args, toy=TOY, description=__doc__)
     rank, world, device = setup_distributed()
     entries, pairs = check_args(args)
+    check_model_directory(args.model)
+    if rank == 0:  # --out is this evaluation's until it ends; what it will write has its room on the disk
+        with stop_on_write_error(args.out):
+            os.makedirs(args.out, exist_ok=True)
+        taken = hold_run_directory(args.out, what="--out", why="two evaluations into one --out would replace "
+                                                              "each other's scores.json")
+        if taken or (not args.overwrite and os.path.exists(os.path.join(args.out, "scores.json"))):
+            fail(taken or f"--out {args.out!r} holds an earlier evaluation's scores.json (written "
+                          f"meanwhile); pass another --out, or --overwrite to replace it")
+        reserve_space(args.out, entries=len(entries), metrics=len(args.metrics), pairs=pairs)
     entries = broadcast_object(entries)  # rank 0's newest checkpoint of a run that is still training
 
     use_bf16 = args.mixed_precision == "bf16" and device.type == "cuda"
@@ -365,9 +391,15 @@ if __name__ == "__main__":
     pipe, kind = load_pipeline(args.model, "cpu", dtype=compute_dtype)  # the text encoders first, alone
     check_guidance(pipe, kind, args.guidance)
     base = pipe.transformer
+    base_weights = weights_fingerprint(base)
     for entry in entries:  # before anything is scored
         if entry["weights"] != "base":
             check_fits(entry, base, args.model)
+        if entry.get("base_weights") not in (None, base_weights) and rank == 0:  # LoRA transfer can be meant
+            print(f"warning: --checkpoints {entry['name']!r} was trained from other weights of this "
+                  f"architecture than --model {args.model!r} holds (base fingerprint "
+                  f"{entry['base_weights']}, here {base_weights}): it is scored on this model as it is",
+                  file=sys.stderr, flush=True)
     C, H, W = latent_shape(pipe, kind, args.resolution)
     sigmas = pipeline_sigmas(pipe, kind, num_steps=args.steps, shape=(C, H, W))
 
@@ -421,10 +453,12 @@ if __name__ == "__main__":
         settings = {k: v for k, v in loggable(args).items() if k not in ("checkpoints", "out")}
         settings.update(kind=kind, world=world, num_pairs=len(pairs), pair_prompts=[p for p, _ in pairs],
                         pair_noise_seeds=[s for _, s in pairs])
-        os.makedirs(args.out, exist_ok=True)
         scored = [{**e, "scores": {k: v.tolist() for k, v in s.items()}} for e, s in zip(entries, all_scores)]
-        write_atomically(os.path.join(args.out, "scores.json"),
-                         json.dumps({"settings": settings, "entries": scored}, indent=1))
-        write_atomically(os.path.join(args.out, "table.md"), report)
-        print("\n" + report + f"\nscores.json and table.md in {os.path.abspath(args.out)}")
+        print("\n" + report, flush=True)  # first: a disk that filled meanwhile cannot take the table too
+        os.remove(os.path.join(args.out, "scores.json.reserved"))  # the room reserved at the start
+        with stop_on_write_error(args.out):
+            write_atomically(os.path.join(args.out, "scores.json"),
+                             json.dumps({"settings": settings, "entries": scored}, indent=1))
+            write_atomically(os.path.join(args.out, "table.md"), report)
+        print(f"scores.json and table.md in {os.path.abspath(args.out)}")
     close_distributed()

@@ -13,9 +13,8 @@ import torch
 import tyro
 
 from common import (TOY_WORLD, RewardModels, check_common_args, decode, encode_prompts, fail, gather_cat,
-                    gathered, iteration_generator, micro_batches, parse_args, score, select, velocities,
-                    velocity)
-from rundir import Stats, start_run
+                    gathered, iteration_generator, micro_batches, score, select, velocities, velocity)
+from rundir import Stats, parse_args, start_run
 # algorithm specific
 from common import as_reference, shifted_sigmas
 

@@ -5,11 +5,16 @@ LAION aesthetic predictor, UnifiedReward (a client for an OpenAI-compatible serv
 imports this module only when one of them is asked for; where their weights come from is common.RewardModels
 (read here by attribute: this module imports nothing of the project, so it can be copied alone).
 
-The towers run in the given dtype (bf16 on GPUs), every projection, logit scale and head in float32."""
+The towers run in the given dtype (bf16 on GPUs), every projection, logit scale and head in float32.
+A server's answer is outside data: read within a size bound, parsed within bounds (parse_json, plain_loads)
+and quoted short and escaped (shown)."""
 import io
+import itertools
 import json
 import os
 import pickle
+import re
+import reprlib
 
 import torch
 
@@ -17,6 +22,47 @@ import torch
 def fail(message: str):
     """Stop with a one-line error (no traceback), as common.fail."""
     raise SystemExit(f"error: {message}")
+
+
+# ---- Data from outside, as common.py's section 0 (copies: this module imports nothing of the project) ----
+JSON_DEPTH, JSON_DIGITS = 32, 64
+
+
+def parse_json(data: str | bytes, *, limit: int = 1 << 20, depth: int = JSON_DEPTH):
+    """common.parse_json: JSON within `limit` bytes, `depth` levels, JSON_DIGITS digits; else ValueError."""
+    if len(data) > limit:
+        raise ValueError(f"{len(data):,} bytes, more than {limit:,}")
+    text = data.decode("utf-8") if isinstance(data, (bytes, bytearray)) else data
+    bare = re.sub(r'"[^"]*"', "", re.sub(r"\\.", "", text, flags=re.S))  # escapes, then strings out
+    brackets = re.sub(r"[^][{}]", "", bare)
+    if max(itertools.accumulate(1 if c in "[{" else -1 for c in brackets), default=0) > depth:
+        raise ValueError(f"nested deeper than {depth} levels")
+    return json.loads(text, parse_int=_bounded_int)
+
+
+def _bounded_int(digits: str) -> int:
+    if len(digits.lstrip("-")) > JSON_DIGITS:
+        raise ValueError(f"an integer of {len(digits.lstrip('-')):,} digits, more than {JSON_DIGITS}")
+    return int(digits)
+
+
+class _Short(reprlib.Repr):
+    def repr_int(self, x, level):
+        return repr(x) if abs(x) < 10**40 else f"<an integer of {x.bit_length():,} bits>"
+
+    def repr_bytes(self, x, level):
+        return repr(x[:self.maxstring]) + ("..." if len(x) > self.maxstring else "")
+
+
+_SHORT = _Short()
+_SHORT.maxstring, _SHORT.maxother, _SHORT.maxlevel = 60, 60, 2
+_SHORT.maxlist = _SHORT.maxtuple = _SHORT.maxdict = _SHORT.maxset = 4
+
+
+def shown(value) -> str:
+    """common.shown: a value from outside as a short repr, control characters escaped."""
+    text = _SHORT.repr(value)
+    return text if len(text) <= 160 else text[:157] + "..."
 
 
 REWARD_SOURCES = {  # the RewardModels fields each reward reads
@@ -38,9 +84,14 @@ def check(name: str, models):
     exist, or UnifiedReward without a server, is a one-line error before any model loads."""
     if name == "unifiedreward" and not models.unifiedreward_url:
         fail("the unifiedreward reward needs --unifiedreward-url, the address of a server that serves it")
-    url = getattr(models, f"{name}_url") if name in ("geneval", "deqa") else None
-    if url is not None and not url.startswith(("http://", "https://")):
-        fail(f"--{name}-url {url!r} is not an http:// address of the reward server")
+    url = getattr(models, f"{name}_url") if name in ("geneval", "deqa", "unifiedreward") else None
+    if url is not None:
+        check_url(url, f"--{name}-url")
+    key = None if name != "unifiedreward" else (models.unifiedreward_api_key
+                                                or os.environ.get("UNIFIEDREWARD_API_KEY"))
+    if key and not all("!" <= c <= "~" for c in key):  # never shown: a secret
+        fail("the UnifiedReward API key (--unifiedreward-api-key or $UNIFIEDREWARD_API_KEY) holds a space, a "
+             "control or a non-ASCII character, which an HTTP header cannot carry; pass the key alone")
     if name == "ocr":
         import importlib.util
         missing = [m for m in ("rapidocr", "onnxruntime") if importlib.util.find_spec(m) is None]
@@ -50,6 +101,20 @@ def check(name: str, models):
         spec = getattr(models, field)
         if is_local_path(spec) and not os.path.exists(os.path.expanduser(spec)):
             fail(f"--{field.replace('_', '-')} {spec!r} does not exist; pass an existing path or a hub id")
+
+
+def check_url(url: str, flag: str):
+    """An http(s):// address with a host (a port in 1-65535), no space or control character; else one line."""
+    import urllib.parse
+    try:
+        parts = urllib.parse.urlsplit(url)
+        port_ok = parts.port is None or parts.port > 0
+    except ValueError:  # a port beyond 65535, a bracket left open
+        parts, port_ok = None, False
+    if not url.startswith(("http://", "https://")) or not port_ok or not parts.hostname or \
+            not all(" " < c <= "~" for c in url):
+        fail(f"{flag} {shown(url)} is not an http:// address of the reward server (a host, a port in "
+             f"1-65535, no spaces)")
 
 
 def load_safely(path: str, *, what: str = "weights"):
@@ -249,8 +314,8 @@ def imagereward_reward(checkpoint: str, med_config: str, tokenizer: str, device,
 
     state = load_safely(hub_file(checkpoint, "--imagereward-checkpoint"), what="--imagereward-checkpoint")
     try:
-        with open(hub_file(med_config, "--imagereward-med-config")) as f:
-            med = json.load(f)
+        with open(hub_file(med_config, "--imagereward-med-config"), "rb") as f:
+            med = parse_json(f.read((1 << 20) + 1))
     except (OSError, ValueError) as e:
         fail(f"--imagereward-med-config {med_config!r} cannot be read as JSON ({type(e).__name__})")
     try:
@@ -397,11 +462,13 @@ def unifiedreward_reward(url: str, *, model: str, api_key: str | None = None, sc
         answer = post(endpoint, json.dumps(body).encode(), headers, until=until, retries=retries, what=what,
                       refused=refused, hint="start it or pass --unifiedreward-url")
         try:
-            text = json.loads(answer)["choices"][0]["message"]["content"]
-        except (ValueError, KeyError, IndexError, TypeError):
+            text = parse_json(answer, limit=ANSWER_LIMIT)["choices"][0]["message"]["content"]
+        except (ValueError, KeyError, IndexError, TypeError) as e:
+            if "levels" in str(e) or "digits" in str(e):  # parse_json's bounds
+                fail(f"{what} answered with JSON {e}; is it the right server?")
             text = None
         if not isinstance(text, str):
-            fail(f"{what} answered without choices[0].message.content ({answer[:120]!r})")
+            fail(f"{what} answered without choices[0].message.content ({shown(answer)})")
         return text
 
     def score(images, prompts):
@@ -413,12 +480,11 @@ def unifiedreward_reward(url: str, *, model: str, api_key: str | None = None, sc
         for answer in answers:
             match = re.search(r"Final Score:\s*([-+]?\d+(?:\.\d+)?)", answer)
             if match is None:
-                fail(f"the UnifiedReward answer from {endpoint} has no 'Final Score: <1-5>': "
-                     f"{answer[:200]!r}")
+                fail(f"the UnifiedReward answer from {endpoint} has no 'Final Score: <1-5>': {shown(answer)}")
             value = float(match.group(1))
             if not 1 <= value <= 5:
                 fail(f"{what} answered 'Final Score: {match.group(1)}', outside the question's scale of 1 "
-                     f"to 5 (in {answer[:120]!r})")
+                     f"to 5 (in {shown(answer)})")
             scores.append(value / scale)
         return torch.tensor(scores)
 
@@ -565,18 +631,46 @@ class PlainUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError("refused a persistent id")
 
 
+PLAIN_VALUES = 100_000  # values a server's answer may hold, each shared reference counted where it is used
+
+
+def plain_bounds(value, *, values: int = PLAIN_VALUES, depth: int = JSON_DEPTH) -> str | None:
+    """Why an unpickled value is too large to handle (more than `values` values when every shared reference is
+    counted where it is used, as printing or comparing it would visit them: a small pickle can reference one
+    list 64 times 7 levels deep) or too deep (more than `depth` levels), else None. Stops at the bound."""
+    stack, count = [(value, 0)], 0
+    while stack:
+        v, level = stack.pop()
+        if level > depth:
+            return f"nested deeper than {depth} levels"
+        items = [x for kv in v.items() for x in kv] if isinstance(v, dict) else \
+            v if isinstance(v, (list, tuple, set, frozenset)) else ()
+        count += 1 + len(items)
+        if count > values:
+            return f"more than {values:,} values"
+        stack += [(x, level + 1) for x in items]
+    return None
+
+
 def plain_loads(data: bytes, url: str):
-    """A reward server's pickled answer, plain values only; anything else is a one-line error naming `url`."""
+    """A reward server's pickled answer, plain values only and within plain_bounds; anything else is a
+    one-line error naming `url`."""
     try:
-        return PlainUnpickler(io.BytesIO(data)).load()
+        value = PlainUnpickler(io.BytesIO(data)).load()
     except pickle.UnpicklingError as e:
         if str(e).startswith("refused"):
             fail(f"the reward server {url} answered with a pickle that is not plain data ({e}); nothing of "
                  f"it was run: is it the reward server?")
-        why = str(e)[:80]
+        why = shown(str(e))[1:-1]  # (unquoted)
     except Exception as e:  # not a pickle at all: a web page, a truncated answer
-        why = f"{type(e).__name__}: {str(e)[:80]}"
-    fail(f"the reward server {url} answered with no pickle ({why}; {len(data)} bytes: {data[:40]!r})")
+        why = f"{type(e).__name__}: {shown(str(e))[1:-1]}"
+    else:
+        too_large = plain_bounds(value)
+        if too_large is None:
+            return value
+        fail(f"the reward server {url} answered with a pickle of {too_large} ({len(data):,} bytes); is it "
+             f"the reward server?")
+    fail(f"the reward server {url} answered with no pickle ({why}; {len(data)} bytes: {shown(data)})")
 
 
 def jpeg_batches(images, size: int = 64):
@@ -593,6 +687,7 @@ def jpeg_batches(images, size: int = 64):
 
 
 TRANSIENT = (500, 502, 503, 504, 429)  # HTTP answers that a later try may not get (the rest stay as they are)
+ANSWER_LIMIT = 64 << 20  # bytes of a server's answer (GenEval's for 64 images: a few kB)
 
 
 def post(url: str, body: bytes, headers: dict, *, until: float, retries: int, what: str, refused=None,
@@ -615,7 +710,8 @@ def post(url: str, body: bytes, headers: dict, *, until: float, retries: int, wh
         try:
             # a socket timeout past the deadline: the watchdog, not the socket, ends a try that reaches it
             with opener.open(request, timeout=min(120.0, until - time.monotonic() + 1.0)) as response:
-                box["answer"] = response.read()
+                whole = response.length is not None and response.length <= ANSWER_LIMIT  # a Content-Length
+                box["answer"] = response.read(None if whole else ANSWER_LIMIT + 1)  # no more than the bound
         except BaseException as e:  # handed to the caller's thread
             box["error"] = e
 
@@ -629,18 +725,20 @@ def post(url: str, body: bytes, headers: dict, *, until: float, retries: int, wh
             error = f"no whole answer within the deadline (--reward-timeout); {error} before" if tries > 1 \
                 else "no whole answer within the deadline (--reward-timeout)"
             break
+        if "answer" in box and len(box["answer"]) > ANSWER_LIMIT:
+            fail(f"{what} answered with more than {ANSWER_LIMIT:,} bytes; is it the right server?")
         if "answer" in box:
             return box["answer"]
         e = box["error"]
         if isinstance(e, urllib.error.HTTPError):
-            last = (e.read().decode("utf-8", "replace").strip().splitlines() or [""])[-1]  # the exception
-            error = f"HTTP {e.code}" + (f": {last[:120]}" if last else "")
+            last = (e.read(1 << 16).decode("utf-8", "replace").strip().splitlines() or [""])[-1]  # its error
+            error = f"HTTP {e.code}" + (f": {shown(last)[1:-1]}" if last else "")  # escaped, unquoted
             if refused and e.code in refused:
                 fail(f"{what} {refused[e.code][0]} (HTTP {e.code}); {refused[e.code][1]}")
             if e.code not in TRANSIENT:  # a bad request stays bad
                 break
         elif isinstance(e, (OSError, http.client.HTTPException)):  # refused, reset, cut short, timed out
-            error = f"{type(e).__name__}: {str(getattr(e, 'reason', e))[:120]}"
+            error = f"{type(e).__name__}: {shown(str(getattr(e, 'reason', e)))[1:-1]}"  # escaped
         else:
             raise e
         pause = 0.5 * 2 ** (tries - 1)
@@ -664,16 +762,16 @@ def numbers(answer, key: str, n: int, url: str, *, low: float, high: float) -> l
     values = answer.get(key) if isinstance(answer, dict) else None
     if not isinstance(values, (list, tuple)) or len(values) != n:
         fail(f"the reward server {url} answered without {n} numbers in {key!r} "
-             f"(got {str(values if values is not None else answer)[:80]})")
+             f"(got {shown(values if values is not None else answer)})")
     for i, v in enumerate(values):
         try:
             ok = isinstance(v, (int, float)) and not isinstance(v, bool) and low <= float(v) <= high
         except OverflowError:  # an int beyond any float (NaN fails the comparison)
             ok = False
         if not ok:
-            shown = f"an integer of {v.bit_length()} bits" if isinstance(v, int) and ok is False and \
-                abs(v) > 10**30 else repr(v)[:40]
-            fail(f"the reward server {url} answered {key}[{i}] = {shown}, not a number in [{low}, {high}]")
+            what = f"an integer of {v.bit_length()} bits" if isinstance(v, int) and abs(v) > 10**30 else \
+                shown(v)
+            fail(f"the reward server {url} answered {key}[{i}] = {what}, not a number in [{low}, {high}]")
     return [float(v) for v in values]
 
 

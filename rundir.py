@@ -2,11 +2,13 @@
 after each, and the run directory (runs/<run_name>) it writes and reads back. Plain functions, and one object
 for the state a run carries, in the order of a run.
 
-0. The run: start_run (the setup, one call), Run (iterations, the optimizer and EMA steps, evaluation, the end
-   of an iteration, the end of the run), Stats (an iteration's training statistics)
-1. The run directory and its logs: run_directory, make_writer (TensorBoard, wandb), read_jsonl, log_metrics
-2. Checkpoints: iteration_of, latest_checkpoint, resume_checkpoint, save_state (atomic; diffusers exports),
-   load_state
+0. The run: parse_args (the command line: the TOY preset, or a resumed checkpoint's arguments, as defaults),
+   start_run (the setup, one call), Run (iterations, the optimizer and EMA steps, evaluation, the end of an
+   iteration, the end of the run), Stats (an iteration's training statistics)
+1. The run directory and its logs: run_directory, make_writer (TensorBoard, wandb), read_jsonl, log_metrics;
+   files from outside read within bounds: read_json, safetensors_header
+2. Checkpoints: iteration_of, latest_checkpoint, read_run_json, resume_checkpoint, save_state (atomic;
+   diffusers exports), load_state
 3. Sample grids and the end-of-run summary: image_grid, save_eval_grid, paired_change, run_summary
 4. DenseGRPO's psi(t) file (--calibrate writes it, --psi reads it): psi_path, save_psi, load_psi
 5. The text cache (--text-cache): fill_text_cache, read_text_cache
@@ -21,23 +23,148 @@ import io
 import json
 import math
 import os
+import re
 import shutil
 import sys
 import textwrap
+import threading
 import time
+import types
+import typing
 
 import torch
 import torch.distributed as dist
 
-from common import (FAMILIES, MODEL_ALIASES, NFE, TEXT_ENCODERS, broadcast_object, check_guidance,
-                    close_distributed, decode, drop_text_encoders, ema_update, encode_prompts, fail,
-                    family_of, gather_cat, gathered, is_main_rank, latent_shape, load_pipeline,
+from common import (FAMILIES, JSON_DEPTH, MODEL_ALIASES, NFE, SECRETS, TEXT_ENCODERS, broadcast_object,
+                    check_guidance, close_distributed, decode, drop_text_encoders, ema_update, encode_prompts,
+                    fail, family_of, gather_cat, gathered, is_main_rank, latent_shape, load_pipeline,
                     load_prompt_set, load_rewards, loggable, make_trainable, max_over_ranks, ode_complete,
-                    optimizer_step, pipeline_sigmas, score, seed_everything, setup_distributed,
-                    sum_over_ranks, swapped_in)
+                    optimizer_step, parse_json, pipeline_sigmas, score, seed_everything, setup_distributed,
+                    shown, sum_over_ranks, swapped_in)
 
 
 # ======== 0. The run ========
+def flag_values(argv: list, flag: str) -> list:
+    """The values given to `flag` on a command line, as `--flag value` or `--flag=value`."""
+    return [b for a, b in zip(argv, argv[1:]) if a == flag] + [a[len(flag) + 1:] for a in argv
+                                                              if a.startswith(flag + "=")]
+
+
+def checkpoint_arguments(path: str) -> dict | None:
+    """The arguments run.json records in the newest checkpoint of a run directory (or of a checkpoint
+    directory), or None where there is none that reads (resume_checkpoint then says why)."""
+    root = os.path.join(path, "checkpoints")
+    names = [n for n in (os.listdir(root) if os.path.isdir(root) else []) if not n.endswith(".tmp")
+             and n.startswith("iter_") and n[len("iter_"):].isdigit()]
+    newest = os.path.join(root, max(names, key=lambda n: int(n[len("iter_"):]))) if names else path
+    try:
+        with open(os.path.join(newest, "run.json"), "rb") as f:
+            saved = parse_json(f.read((1 << 20) + 1))
+    except (OSError, ValueError):
+        return None
+    return saved.get("args") if isinstance(saved, dict) and isinstance(saved.get("args"), dict) else None
+
+
+def arguments_from(args_class, saved: dict):
+    """An Args of `args_class` holding the values of a checkpoint's run.json (tuples from its lists, the
+    reward models' fields, secrets left out: <hidden> in the file); fields it lacks keep their defaults."""
+    base, values, hints = args_class(), {}, typing.get_type_hints(args_class)
+    for f in dataclasses.fields(args_class):
+        if f.name not in saved or f.name == "resume":
+            continue
+        default, value = getattr(base, f.name), saved[f.name]
+        if dataclasses.is_dataclass(default) and isinstance(value, dict):
+            inner = typing.get_type_hints(type(default))
+            value = {k: typed(k, inner[k], v) for k, v in value.items() if k in inner and k not in SECRETS}
+            values[f.name] = dataclasses.replace(default, **value)
+        else:
+            values[f.name] = typed(f.name, hints[f.name], value)
+    return dataclasses.replace(base, **values)
+
+
+def fits(value, hint) -> bool:
+    """Whether a value read from JSON is one of the type annotation `hint` (a list for a tuple, an integer
+    for a float); annotations it does not know accept any value."""
+    origin, members = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(fits(value, m) for m in members)
+    if origin is typing.Literal:
+        return any(type(value) is type(m) and value == m for m in members)
+    if origin is tuple:
+        items = [members[0]] * len(value) if members[1:] == (Ellipsis,) else members
+        return isinstance(value, (list, tuple)) and len(items) == len(value) and all(map(fits, value, items))
+    if hint is type(None):
+        return value is None
+    if hint is float:
+        return type(value) in (int, float)
+    return type(value) is hint if isinstance(hint, type) and origin is None else True
+
+
+def typed(name: str, hint, value):
+    """A value of a checkpoint's run.json for the argument annotated `hint`, of that type (a tuple for a
+    list: every list an Args holds is a tuple; a float for an integer), else a one-line error."""
+    value = tuple(value) if isinstance(value, list) else value
+    if not fits(value, hint):
+        fail(f"the checkpoint's run.json has --{name.replace('_', '-')} {shown(value)}, not the "
+             f"{type_name(hint)} it takes; resume from another checkpoint, or give the flag")
+    return coerced(value, hint)
+
+
+def coerced(value, hint):
+    """`value`, which fits `hint`, as that type: a float where an integer was written for one."""
+    origin, members = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return value if type(value) in members else coerced(value, next(m for m in members if fits(value, m)))
+    if origin is tuple:
+        items = [members[0]] * len(value) if members[1:] == (Ellipsis,) else members
+        return tuple(map(coerced, value, items))
+    return float(value) if hint is float else value
+
+
+def type_name(hint) -> str:
+    """How an error names the type annotation `hint`: int, tuple, int or 't'."""
+    origin, members = typing.get_origin(hint), typing.get_args(hint)
+    if hint is type(None):
+        return "None"
+    if origin in (typing.Union, types.UnionType, typing.Literal):
+        return " or ".join(repr(m) if origin is typing.Literal else type_name(m) for m in members)
+    return getattr(origin or hint, "__name__", str(hint))
+
+
+def parse_args(args_class, *, toy: dict, description: str):
+    """The command line parsed by tyro. With --model toy the TOY preset gives the defaults, and with --resume
+    DIR the arguments its checkpoint recorded, so flags passed explicitly still win (resume_checkpoint says
+    which) and --help shows those defaults; `--help | head` exits quietly."""
+    import tyro
+    argv = sys.argv[1:]
+    given, resume = flag_values(argv, "--model"), flag_values(argv, "--resume")
+    # the toy pipeline, by its alias or by its toy_world.json wherever it was copied (toy/make_toy.py)
+    marker = bool(given) and os.path.isfile(os.path.join(given[-1], "toy_world.json"))
+    wants_toy = bool(given) and (given[-1] == "toy" or marker)
+    saved = checkpoint_arguments(resume[-1]) if resume else None
+    default = dataclasses.replace(args_class(), **toy) if wants_toy else args_class()
+    if saved is not None:
+        default = arguments_from(args_class, saved)
+        description += " (--resume: the defaults below are the arguments its checkpoint recorded)"
+    elif wants_toy:
+        description += " (--model toy: the defaults below are the file's TOY preset)"
+    try:
+        args = tyro.cli(args_class, default=default, description=description)
+        for i, a in enumerate(sys.argv):  # a secret never stays in sys.argv, which wandb uploads
+            if a.startswith("--unifiedreward-api-key") and a != "--unifiedreward-api-key":
+                sys.argv[i] = "--unifiedreward-api-key=<hidden>"
+            elif i and sys.argv[i - 1] == "--unifiedreward-api-key":
+                sys.argv[i] = "<hidden>"
+        return args
+    except SystemExit:
+        with contextlib.suppress(BrokenPipeError):
+            sys.stdout.flush()
+        raise
+    except BrokenPipeError:  # --help piped into a program that stopped reading
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(0)
+
+
 def say(message: str):
     """A line on rank 0's terminal that does not break a progress bar."""
     if is_main_rank():
@@ -66,9 +193,12 @@ def start_run(args, *, script: str, check_args, planned_nfe, reference: bool, co
     ckpt, start = None, 0
     if args.resume:
         ckpt, start = resume_checkpoint(args.resume, args=args, world=world, script=os.path.basename(script))
-    # the prompts before the run directory: a missing prompt file leaves nothing behind
+    # the prompts, the model directory and the text cache before the run directory: nothing left behind
     train_prompts = load_prompt_set(args.prompts, split="train", rewards=args.rewards)
     eval_prompts = load_prompt_set(args.eval_prompts, split="test", rewards=args.rewards + args.eval_rewards)
+    check_model_directory(args.model)
+    if args.text_cache:
+        check_text_cache(args.text_cache)
     run_dir, writer = run_directory(args, checkpoint=ckpt), None
     STOP["run_dir"] = run_dir
     try:  # a failed start of a new run leaves no run directory behind (discard_new_run)
@@ -89,6 +219,12 @@ def start_run(args, *, script: str, check_args, planned_nfe, reference: bool, co
         on_cpu = bool(args.text_cache) or sharded
         pipe, kind = load_pipeline(args.model, "cpu" if on_cpu else device, dtype=compute_dtype)
         check_guidance(pipe, kind, args.guidance)
+        base_weights = weights_fingerprint(pipe.transformer)  # what a checkpoint was trained from
+        trained_on = read_run_json(ckpt).get("base_weights") if ckpt else None
+        if trained_on and trained_on != base_weights:  # (older checkpoints have none)
+            fail(f"checkpoint {ckpt!r} was trained from other weights than --model {args.model!r} holds "
+                 f"now (same architecture; base fingerprint {trained_on}, now {base_weights}); resume with "
+                 f"its model")
         if args.text_cache:  # each prompt encoded once, the text encoders alone on the device, then dropped
             fill_text_cache(pipe, kind, train_prompts + eval_prompts[:args.eval_num],
                             directory=args.text_cache, device=device,
@@ -114,7 +250,8 @@ def start_run(args, *, script: str, check_args, planned_nfe, reference: bool, co
                   optimizer=optimizer, ema=ema, ref_model=ref_model, copies=copies, amp=amp, shape=shape,
                   weights=weights, reward_fns={k: eval_fns[k] for k in args.rewards}, eval_fns=eval_fns,
                   train_prompts=train_prompts, eval_prompts=eval_prompts, start=start,
-                  planned_rollout=planned_nfe(args)["rollout"], script=os.path.basename(script))
+                  planned_rollout=planned_nfe(args)["rollout"], script=os.path.basename(script),
+                  base_weights=base_weights)
         if ckpt:
             say(f"resuming {ckpt}")
             load_state(ckpt, run=run)
@@ -122,6 +259,83 @@ def start_run(args, *, script: str, check_args, planned_nfe, reference: bool, co
     except BaseException:
         discard_new_run(run_dir, writer=writer, resumed=ckpt is not None)
         raise
+
+
+def check_model_directory(model: str):
+    """A local pipeline directory (or alias) checked before anything large is built, from its JSON files and
+    safetensors headers alone: each component's config.json of the class that model_index.json names (of a
+    transformers component: its model type), each diffusers component's weights exactly the tensors its config
+    builds (on the meta device: no memory), rotary axes that add up to the attention head size; else one line.
+    A hub id loads as diffusers loads it."""
+    path = MODEL_ALIASES.get(model, model)
+    if not os.path.isfile(os.path.join(path, "model_index.json")):
+        return
+    try:
+        index = read_json(os.path.join(path, "model_index.json"))
+        parts = {k: v for k, v in index.items() if isinstance(v, list) and len(v) == 2 and v[0] in
+                 ("diffusers", "transformers") and os.path.isfile(os.path.join(path, k, "config.json"))}
+        configs = {k: read_json(os.path.join(path, k, "config.json")) for k in parts}
+        if not all(isinstance(c, dict) for c in configs.values()):
+            raise ValueError("a config.json holds no JSON object")
+    except (OSError, ValueError, AttributeError) as e:
+        fail(f"--model {model!r}: its model_index.json or a config.json cannot be read "
+             f"({escaped(e)})")
+    for name, (library, cls_name) in parts.items():
+        config, misfit = configs[name], None
+        if library == "transformers":
+            import transformers
+            config_class = getattr(getattr(transformers, cls_name, None), "config_class", None)
+            wanted = getattr(config_class, "model_type", None)
+            if wanted and config.get("model_type") != wanted:
+                misfit = (f"its config.json is a {shown(config.get('model_type'))} model, not a {cls_name} "
+                          f"({wanted!r})")
+        else:
+            misfit = diffusers_misfit(os.path.join(path, name), cls_name, config)
+        if misfit:
+            fail(f"--model {model!r}: {name}/ is not what model_index.json and its config say: {misfit}")
+
+
+def diffusers_misfit(folder: str, cls_name: str, config: dict) -> str | None:
+    """What does not fit between a diffusers component's class, config.json and safetensors weights."""
+    import diffusers
+    if config.get("_class_name", cls_name) != cls_name:
+        return f"its config.json is a {shown(config.get('_class_name'))}, model_index.json names a {cls_name}"
+    axes = config.get("axes_dims_rope") or config.get("axes_dims")
+    head = config.get("attention_head_dim")
+    if head is None and type(config.get("dim")) is int and type(config.get("n_heads")) is int:
+        head = config["dim"] // max(config["n_heads"], 1)  # Z-Image
+    if isinstance(axes, list) and all(type(a) is int for a in axes) and type(head) is int and \
+            sum(axes) != head:
+        return f"its rotary axes {axes} add up to {sum(axes)}, not the attention head size {head}"
+    index = os.path.join(folder, "diffusion_pytorch_model.safetensors.index.json")
+    try:
+        files = sorted(set(read_json(index, limit=1 << 26)["weight_map"].values())) \
+            if os.path.isfile(index) else ["diffusion_pytorch_model.safetensors"]
+        found = {}
+        for f in (os.path.join(folder, os.path.basename(f)) for f in files):
+            found.update(safetensors_header(f) if os.path.isfile(f) else {})
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        return f"its weights cannot be read ({escaped(e)})"
+    if not found or not hasattr(diffusers, cls_name):  # (.bin weights, a class of another library: as loaded)
+        return None
+    cls = getattr(diffusers, cls_name)
+    try:
+        with torch.device("meta"):
+            built = {k: tuple(v.shape) for k, v in cls.from_config(config).state_dict().items()}
+    except Exception as e:  # a config no model can be built from
+        return f"its config.json builds no {cls_name} ({type(e).__name__}: {escaped(e)})"
+    ignored = [re.compile(p) for p in (getattr(cls, "_keys_to_ignore_on_load_unexpected", None) or [])]
+    missing = sorted(built.keys() - found.keys())
+    unexpected = sorted(k for k in found.keys() - built.keys() if not any(p.search(k) for p in ignored))
+    wrong = [k for k in sorted(built.keys() & found.keys()) if built[k] != found[k]]
+    if missing or unexpected:
+        return (f"its config builds {len(built)} tensors, its weights hold {len(found)} ({len(missing)} "
+                f"missing, e.g. {first(missing)}; {len(unexpected)} others, e.g. "
+                f"{first(unexpected)})")
+    if wrong:
+        return (f"its weights hold {wrong[0]} of shape {list(found[wrong[0]])}, its config builds "
+                f"{list(built[wrong[0]])}")
+    return None
 
 
 def choose_threads(device, *, requested: int | None):
@@ -226,6 +440,7 @@ class Run:
     start: int  # the first iteration to run (a resumed run: the checkpoint's)
     planned_rollout: float  # the closed-form rollout NFE per prompt (perf/nfe_min_per_prompt)
     script: str = ""  # the algorithm file's name (a checkpoint resumes with it only)
+    base_weights: str = ""  # weights_fingerprint of the base transformer: saved with every checkpoint
     last_eval: tuple | None = None  # (iteration, the training reward on the held-out pairs)
     pbar: object = None  # the training progress bar (iterations)
     t0: float = dataclasses.field(default_factory=time.time)
@@ -483,7 +698,10 @@ def new_directory(path: str) -> str:
     fail(f"{path!r} and 10,000 of its numbered variants exist; pass another --output-dir")
 
 
-def hold_run_directory(run_dir: str) -> str | None:
+MIXED = "two runs in one directory would mix their logs and checkpoints"
+
+
+def hold_run_directory(run_dir: str, *, what: str = "run directory", why: str = MIXED) -> str | None:
     """An exclusive lock on <run_dir>/run.lock (fcntl.flock: the OS drops it when the process ends, kill -9
     included; released by release_run_directories), naming this process in the file. Returns None, or why it
     cannot be had: the holder. Holding it, what a killed run left half-written (*.tmp) goes."""
@@ -494,10 +712,10 @@ def hold_run_directory(run_dir: str) -> str | None:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:  # held: its holder wrote itself in
         f.seek(0)
-        holder = f.read().strip() or "another process"
+        holder = "".join(c if c.isprintable() else repr(c)[1:-1] for c in f.read(300).strip())  # (escaped)
+        holder = holder or "another process"
         f.close()
-        return (f"run directory {run_dir!r} is in use by {holder}; wait until that run ends or stop it (two "
-                f"runs in one directory would mix their logs and checkpoints)")
+        return f"{what} {run_dir!r} is in use by {holder}; wait until that run ends or stop it ({why})"
     f.seek(0)
     f.truncate()
     f.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')} "
@@ -541,8 +759,13 @@ def stop_on_write_error(run_dir: str, *, unfinished: str | None = None):
         yield
     except Exception as e:
         said = ("No space left", "Read-only file system")  # safetensors' writer says it in words
-        if not (isinstance(e, OSError) or any(s in str(e) for s in said)):
+        chain = [e]
+        while len(chain) < 8 and (chain[-1].__cause__ or chain[-1].__context__) is not None:
+            chain.append(chain[-1].__cause__ or chain[-1].__context__)
+        os_error = next((x for x in chain if isinstance(x, OSError)), None)  # torch.save's "unexpected pos"
+        if os_error is None and not any(s in str(e) for s in said):  # comes from the OSError of its write
             raise
+        e = os_error or e
         if unfinished:
             shutil.rmtree(unfinished, ignore_errors=True)
         ckpt = latest_checkpoint(run_dir) if os.path.isdir(run_dir) else None
@@ -571,19 +794,76 @@ def make_writer(run_dir: str, args, *, resume_iteration: int | None = None):
         wandb.init(project=args.wandb_project, sync_tensorboard=True, config=config,
                    name=os.path.basename(run_dir), save_code=True)
     writer = SummaryWriter(run_dir, purge_step=None if resume_iteration is None else resume_iteration + 1)
+    if not getattr(threading.excepthook, "quiet_writer", False):
+        threading.excepthook = functools.partial(quiet_writer_thread, threading.excepthook)
+        threading.excepthook.quiet_writer = True
     table = "\n".join(f"|{k}|{v}|" for k, v in config.items())
     writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + table)
     return writer
 
 
+def quiet_writer_thread(previous, args):
+    """threading.excepthook without the traceback of TensorBoard's writer thread when its write fails (a full
+    disk): the main thread raises the same error at its next log or close, which stop_on_write_error says in
+    one line."""
+    if not (type(args.thread).__name__ == "_AsyncWriterThread" and isinstance(args.exc_value, OSError)):
+        previous(args)
+
+
 def read_jsonl(path: str) -> list[dict]:
-    """The rows of a JSON-lines file, without a last line that a killed process left half written."""
+    """The rows of a metrics.jsonl (JSON objects with an integer "iteration", each line at most 1 MiB, parsed
+    within parse_json's bounds), without a last line that a killed process left half written (no newline);
+    any other line that is no such row is a one-line error."""
     rows = []
-    with open(path) as f:
-        for line in f:
-            with contextlib.suppress(json.JSONDecodeError):
-                rows.append(json.loads(line))
+    with open(path, "rb") as f:
+        while line := f.readline((1 << 20) + 1):
+            try:
+                row = parse_json(line)
+            except ValueError:
+                row = None
+            if not (isinstance(row, dict) and type(row.get("iteration")) is int) and line.endswith(b"\n"):
+                fail(f"{path} line {len(rows) + 1} is no metrics row (a JSON object with an integer "
+                     f"\"iteration\", at most 1 MiB): {shown(line[:60])}; remove that line")
+            rows += [row] if line.endswith(b"\n") else []
     return rows
+
+
+def read_json(path: str, *, limit: int = 1 << 20, depth: int = JSON_DEPTH):
+    """A JSON file's content within parse_json's bounds (at most `limit` bytes read); OSError, ValueError."""
+    with open(path, "rb") as f:
+        return parse_json(f.read(limit + 1), limit=limit, depth=depth)
+
+
+SAFETENSORS_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2,
+                     "I16": 2, "U16": 2, "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+
+
+def safetensors_header(path: str) -> dict:
+    """{name: shape} of a .safetensors file from its header alone (no tensor is read; within safetensors' own
+    bounds: 100 MB, and 4 levels), checked to describe tensors of their dtype's size that fill the file
+    exactly; else ValueError saying what is wrong (cut short, a pickle or another format), or OSError."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        if size < 8 or n > min(size - 8, 100_000_000):
+            raise ValueError(f"cut short or no safetensors file ({size:,} bytes)")
+        header = parse_json(f.read(n), limit=n, depth=4)
+    shapes, end = {}, 0
+    for name, t in (header.items() if isinstance(header, dict) else [("", None)]):
+        if name == "__metadata__":
+            continue
+        shape, offsets = (t.get("shape"), t.get("data_offsets")) if isinstance(t, dict) else (None, None)
+        fits = isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape) and \
+            isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets) and \
+            0 <= offsets[0] <= offsets[1]
+        if fits and t.get("dtype") in SAFETENSORS_BYTES:  # its bytes are its elements'
+            fits = offsets[1] - offsets[0] == math.prod(shape) * SAFETENSORS_BYTES[t["dtype"]]
+        if not fits:
+            raise ValueError(f"its header's entry {shown(name)} is no tensor")
+        shapes[name], end = tuple(shape), max(end, offsets[1])
+    if 8 + n + end != size:
+        raise ValueError(f"cut short or no safetensors file ({size:,} bytes, its header: {8 + n + end:,})")
+    return shapes
 
 
 def log_metrics(writer, run_dir: str, step: int, metrics: dict, per_sample: dict | None = None):
@@ -620,6 +900,25 @@ def latest_checkpoint(path: str):
 
 
 FIXED_ON_RESUME = ("model", "full_finetune", "lora_rank", "lora_alpha", "ema")  # trainable weights' layout
+RUN_JSON = {"iteration": int, "script": str, "world": int, "sharded": bool, "args": dict}  # save_state writes
+
+
+def read_run_json(ckpt: str, *, need: dict = RUN_JSON, args: tuple = FIXED_ON_RESUME) -> dict:
+    """A checkpoint's run.json, checked to hold what save_state writes (`need`, RUN_JSON: an iteration >= 1,
+    the script, the world size, whether sharded, the arguments, with `args` among them), else one line."""
+    try:
+        saved = read_json(os.path.join(ckpt, "run.json"))
+    except (OSError, ValueError) as e:
+        bound = f": {e}" if type(e) is ValueError else ""  # parse_json's bounds say which
+        fail(f"checkpoint {ckpt!r} cannot be read ({type(e).__name__} in run.json{bound}); resume from "
+             f"another one")
+    saved = saved if isinstance(saved, dict) else {}
+    lacks = [k for k, kind in need.items() if type(saved.get(k)) is not kind]
+    lacks += [f"args.{k}" for k in args if k not in (saved.get("args") if "args" not in lacks else {})]
+    if lacks or saved["iteration"] < 1 or saved.get("world", 1) < 1:
+        fail(f"checkpoint {ckpt!r} has a run.json without a valid {', '.join(lacks) or 'iteration or world'} "
+             f"(not what save_state writes); resume from another checkpoint")
+    return saved
 
 
 def resume_checkpoint(path: str, *, args, world: int, script: str) -> tuple[str, int]:
@@ -630,11 +929,7 @@ def resume_checkpoint(path: str, *, args, world: int, script: str) -> tuple[str,
     ckpt = broadcast_object(latest_checkpoint(path) if is_main_rank() else None)
     if ckpt is None:
         fail(f"--resume {path!r} holds no checkpoint; pass a run directory with checkpoints/iter_*")
-    try:
-        with open(os.path.join(ckpt, "run.json")) as f:
-            saved = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        fail(f"checkpoint {ckpt!r} cannot be read ({type(e).__name__} in run.json); resume from another one")
+    saved = read_run_json(ckpt)
     if saved["script"] != script:
         fail(f"checkpoint {ckpt!r} was made by {saved['script']}, not {script}; resume it with that file")
     now = loggable(args)  # as run.json holds them
@@ -653,7 +948,7 @@ def resume_checkpoint(path: str, *, args, world: int, script: str) -> tuple[str,
              f"{saved['iteration']}")
     changed = [f"{k} {saved['args'].get(k)} -> {v}" for k, v in now.items()
                if k != "resume" and saved["args"].get(k) != v]
-    if is_main_rank():  # the checkpoint's arguments are the defaults (common.parse_args): the flags given win
+    if is_main_rank():  # the checkpoint's arguments are the defaults (parse_args): the flags given win
         given = f"; changed on the command line: {', '.join(changed)}" if changed else ""
         print(f"resuming with the checkpoint's arguments{given}")
     return ckpt, saved["iteration"]
@@ -668,7 +963,7 @@ def save_state(path: str, *, iteration: int, run: Run, keep: int = 0):
     checkpoints stay (0: all)."""
     from safetensors.torch import save_file
     transformer, optimizer, params, ema, args = run.transformer, run.optimizer, run.params, run.ema, run.args
-    pipe, sharded, extra = run.pipe, run.sharded, run.copies
+    pipe, sharded, extra, base_weights = run.pipe, run.sharded, run.copies, run.base_weights
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     barrier = dist.barrier if dist.is_initialized() else lambda: None
     tmp = path + ".tmp"
@@ -721,7 +1016,7 @@ def save_state(path: str, *, iteration: int, run: Run, keep: int = 0):
     barrier()
     if rank == 0:
         run = {"iteration": iteration, "script": run.script, "world": world,
-               "sharded": sharded, "args": loggable(args)}
+               "sharded": sharded, "args": loggable(args), "base_weights": base_weights}
         with open(os.path.join(tmp, "run.json"), "w") as f:
             json.dump(run, f, indent=1)
         for folder, _, files in os.walk(tmp):  # on the disk before the rename makes the checkpoint count
@@ -734,8 +1029,38 @@ def save_state(path: str, *, iteration: int, run: Run, keep: int = 0):
         done = sorted((d for d in os.listdir(root) if iteration_of(d) is not None and not d.endswith(".tmp")),
                       key=iteration_of)
         for d in done[:-keep] if keep else []:  # a sharded FLUX.1-dev checkpoint is ~190 GB
-            shutil.rmtree(os.path.join(root, d))
+            prune(os.path.join(root, d))
     barrier()
+
+
+def prune(path: str):
+    """A checkpoint removed, unless a process reads it (evaluate.py holds it: use_checkpoint); then it stays
+    until a later checkpoint's pruning."""
+    import fcntl
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        shutil.rmtree(path)
+    except BlockingIOError:
+        say(f"keeping {path}: another process reads it (evaluate.py); a later checkpoint removes it")
+    finally:
+        os.close(fd)
+
+
+HELD_CHECKPOINTS = []  # the checkpoints this process reads (use_checkpoint), held until it ends
+
+
+def use_checkpoint(path: str) -> bool:
+    """A shared lock on a checkpoint directory for this process's life, so that a live run's pruning leaves it
+    alone; False if it is gone (pruned before the lock)."""
+    import fcntl
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    fcntl.flock(fd, fcntl.LOCK_SH)  # waits for a removal under way, which then leaves no run.json
+    HELD_CHECKPOINTS.append(fd)
+    return os.path.isfile(os.path.join(path, "run.json"))
 
 
 def load_state(path: str, *, run: Run):
@@ -747,7 +1072,12 @@ def load_state(path: str, *, run: Run):
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
         shards = dict(zip(("model", "optim"), get_state_dict(transformer, optimizer)))
         shards["extra"] = {k: dict(zip(params, v)) for k, v in extra.items()}
-        dcp.load(shards, checkpoint_id=os.path.join(path, "dcp"))  # each rank reads its own shards in place
+        try:  # each rank reads its own shards in place; a misfit fails on every rank
+            dcp.load(shards, checkpoint_id=os.path.join(path, "dcp"))
+        except Exception as e:
+            why = escaped((str(e).strip().splitlines() or [""])[0])
+            fail(f"checkpoint {path!r} does not fit this run ({type(e).__name__}: {why}); resume a "
+                 f"checkpoint of this model and these weights")
         set_state_dict(transformer, optimizer, model_state_dict=shards["model"],
                        optim_state_dict=shards["optim"])
         saved_ema = None
@@ -756,10 +1086,18 @@ def load_state(path: str, *, run: Run):
             state = torch.load(os.path.join(path, "state.pt"), map_location="cpu", weights_only=True)
         except Exception as e:  # a truncated or foreign file
             fail(f"checkpoint {path!r} cannot be read ({type(e).__name__} in state.pt); resume another one")
+        misfit = state_misfit(state, params, extra=extra, ema=run.args.ema)
+        if misfit:
+            fail(f"checkpoint {path!r} does not fit this run: {misfit}; resume a checkpoint of this model "
+                 f"and these trainable weights")
         with torch.no_grad():
             for n, p in params.items():
                 p.copy_(state["trainable"][n])
-        optimizer.load_state_dict(state["optimizer"])
+        try:
+            optimizer.load_state_dict(state["optimizer"])
+        except (ValueError, KeyError, TypeError, RuntimeError) as e:  # another optimizer's state
+            fail(f"checkpoint {path!r} does not fit this run: its optimizer state ({type(e).__name__}: "
+                 f"{escaped(e)}); resume a checkpoint of this model and these trainable weights")
         saved_ema = state["ema"]
         with torch.no_grad():
             for k, values in extra.items():
@@ -769,6 +1107,51 @@ def load_state(path: str, *, run: Run):
         group["lr"], group["weight_decay"] = run.args.learning_rate, run.args.weight_decay
     if run.args.ema:
         run.ema = [saved_ema[n].to(run.device) for n in params]
+
+
+def state_misfit(state, params: dict, *, extra: dict, ema: bool) -> str | None:
+    """What of a state.pt does not fit this run's trainable weights (the names and shapes of its trainable
+    weights, its EMA and each copy), or None."""
+    if not isinstance(state, dict) or not {"trainable", "optimizer", "ema", "extra"} <= set(state):
+        return "its state.pt is none that save_state writes (trainable, optimizer, ema, extra)"
+    wanted = {n: tuple(p.shape) for n, p in params.items()}
+    parts = {"trainable weights": state["trainable"], **({"EMA": state["ema"]} if ema else {}),
+             **{f"copy {k!r}": (state["extra"] or {}).get(k) for k in extra}}
+    for what, saved in parts.items():
+        saved = saved if isinstance(saved, dict) else {}
+        got = {n: tuple(t.shape) if torch.is_tensor(t) else None for n, t in saved.items()}
+        missing, unexpected = sorted(wanted.keys() - got.keys()), sorted(got.keys() - wanted.keys())
+        wrong = [n for n in sorted(wanted.keys() & got.keys()) if wanted[n] != got[n]]
+        if missing or unexpected:
+            return (f"its {what} lack {len(missing)} of this run's {len(wanted)} tensors "
+                    f"({first(missing)}) and hold {len(unexpected)} others "
+                    f"({first(unexpected)})")
+        if wrong:
+            return f"its {what} hold {wrong[0]} of shape {got[wrong[0]]}, this run's is {wanted[wrong[0]]}"
+    return None
+
+
+def escaped(text, n: int = 160) -> str:
+    """Text of a file or an error (which may quote a file), cut at n characters, control characters escaped"""
+    return repr(str(text)[:n])[1:-1]
+
+
+def first(names: list) -> str:
+    """The first of some names read from a file (tensors), escaped; '-' for none."""
+    return escaped(names[0], 100) if names else "-"
+
+
+def weights_fingerprint(module) -> str:
+    """A short hash of a module's weights, cheap at any size: each tensor's name, shape and 1,024 values
+    spread over it, rounded to bfloat16 (the same weights loaded in float32 or bf16 agree). Other weights of
+    the same architecture (another release, a fine-tune) differ in these values."""
+    digest = hashlib.sha256()
+    for name, t in sorted(module.state_dict().items()):
+        flat = t.detach().reshape(-1)
+        picks = torch.linspace(0, max(flat.numel() - 1, 0), min(1024, flat.numel())).long().to(flat.device)
+        digest.update(f"{name} {tuple(t.shape)}".encode())
+        digest.update(flat[picks].to(torch.bfloat16).cpu().view(torch.int16).numpy().tobytes())
+    return digest.hexdigest()[:16]
 
 
 # ======== 3. Sample grids and the end-of-run summary ========
@@ -870,7 +1253,7 @@ def over_rating_metrics(run_dir: str, iteration: int, scores: dict, small: torch
         return {}
     if not (os.path.isfile(path) and os.path.isfile(base_scores)):
         return {}
-    base, out = json.load(open(base_scores)), {}
+    base, out = read_json(base_scores, limit=1 << 28), {}
     for k in held:
         d, se = over_rating(base, scores, k, weights=weights)
         out[f"eval/over_rating/{k}"], out[f"eval/over_rating/{k}_se"] = d, se
@@ -888,7 +1271,7 @@ def over_rating_lines(run_dir: str, evals: list, *, args, weights: dict) -> list
     held = held_out_rewards(args)
     if not held or 0 not in evals or len(evals) < 2:
         return []
-    e = {i: json.load(open(os.path.join(run_dir, f"eval_{i}.json"))) for i in evals}
+    e = {i: read_json(os.path.join(run_dir, f"eval_{i}.json"), limit=1 << 28) for i in evals}
     out = []
     for k in held:
         over = {i: over_rating(e[0], e[i], k, weights=weights) for i in evals[1:]}
@@ -923,7 +1306,8 @@ def run_summary(run_dir: str, *, args, pipe, weights: dict, seconds: float) -> s
     names = os.listdir(run_dir)
     evals = sorted(iteration_of(f) for f in names if f.startswith("eval_") and f.endswith(".json"))
     if len(evals) > 1:
-        e0, e1 = (json.load(open(os.path.join(run_dir, f"eval_{i}.json"))) for i in (evals[0], evals[-1]))
+        e0, e1 = (read_json(os.path.join(run_dir, f"eval_{i}.json"), limit=1 << 28)
+                  for i in (evals[0], evals[-1]))
         for e in (e0, e1):  # the training objective on held-out pairs: the weighted mean of the rewards
             e["training reward"] = [sum(weights[k] * e[k][j] for k in weights) / sum(weights.values())
                                     for j in range(len(e[args.rewards[0]]))]
@@ -972,9 +1356,8 @@ def save_psi(path: str, *, psi: list, iteration: int, history: list):
 def load_psi(path: str, num_steps: int) -> list[float]:
     """psi(t) from a JSON file written by --calibrate ({"psi": [...]}, or a bare list), one value per step."""
     try:
-        with open(path) as f:
-            psi = json.load(f)
-    except (OSError, ValueError) as e:  # unreadable, not UTF-8, not JSON
+        psi = read_json(path)
+    except (OSError, ValueError) as e:  # unreadable, not UTF-8, not JSON, beyond parse_json's bounds
         fail(f"--psi file {path!r} cannot be read as JSON ({type(e).__name__}); write one with --calibrate")
     psi = psi.get("psi") if isinstance(psi, dict) else psi
     if not isinstance(psi, list) or not all(type(p) in (int, float) and 0 <= p <= 10 for p in psi):  # NaN too
@@ -992,17 +1375,21 @@ def text_cache_file(directory: str, prompt: str) -> str:
 
 
 def text_fingerprint(pipe, kind: str, max_sequence_length: int) -> dict:
-    """The family, a hash of each text encoder's configuration and each tokenizer's class and size."""
+    """What the embeddings depend on: the family, each text encoder's configuration (a hash), weights
+    (weights_fingerprint) and dtype, each tokenizer's class, size and vocabulary (a hash)."""
     encoders = {}
     for name in TEXT_ENCODERS:
-        if getattr(pipe, name, None) is not None:
-            config = {k: v for k, v in getattr(pipe, name).config.to_dict().items()
+        if (encoder := getattr(pipe, name, None)) is not None:
+            config = {k: v for k, v in encoder.config.to_dict().items()
                       if k not in ("_name_or_path", "transformers_version", "torch_dtype", "dtype")}
             text = json.dumps(config, sort_keys=True, default=str)
-            encoders[name] = hashlib.sha256(text.encode()).hexdigest()
-    tokenizers = [f"{type(t).__name__} {len(getattr(t, 'tokenizer', t))}"  # FLUX.2 [dev]: a processor
-                  for n in ("tokenizer", "tokenizer_2", "tokenizer_3")
-                  if (t := getattr(pipe, n, None)) is not None]
+            encoders[name] = {"config": hashlib.sha256(text.encode()).hexdigest(),
+                              "weights": weights_fingerprint(encoder), "dtype": str(encoder.dtype)}
+    tokenizers = []
+    for t in (getattr(pipe, n, None) for n in ("tokenizer", "tokenizer_2", "tokenizer_3")):
+        vocab = getattr(t, "tokenizer", t).get_vocab() if t is not None else None  # FLUX.2 [dev]: a processor
+        words = hashlib.sha256(repr(sorted(vocab.items())).encode()).hexdigest()[:16] if vocab else ""
+        tokenizers += [f"{type(t).__name__} {len(vocab)} {words}"] if t is not None else []
     return {"family": kind, "text_encoders": encoders, "tokenizers": tokenizers,
             "max_sequence_length": max_sequence_length}
 
@@ -1052,6 +1439,7 @@ def fill_text_cache(pipe, kind: str, prompts: list[str], *, directory: str, devi
     rows, masked = cache_rows(encode(unique[:1]))  # which embeddings this run uses, the negative prompt's
     meta, negative = text_fingerprint(pipe, kind, max_sequence_length), os.path.join(directory, "negative")
     meta_path = os.path.join(directory, "meta.json")
+    check_text_cache(directory, rows=False)  # never rows without the meta.json that says what made them
     if rank == 0:
         with stop_on_write_error(directory):
             os.makedirs(directory, exist_ok=True)
@@ -1059,8 +1447,7 @@ def fill_text_cache(pipe, kind: str, prompts: list[str], *, directory: str, devi
                 write_atomically(meta_path, json.dumps(meta, indent=1))
     if dist.is_initialized():
         dist.barrier()
-    with open(meta_path) as f:
-        found = json.load(f)
+    found = read_json(meta_path)  # (checked at the start: check_text_cache)
     if found != meta:
         what = {"family": f"model family ({found.get('family')})", "text_encoders": "text encoder",
                 "tokenizers": "tokenizer", "max_sequence_length": f"--max-sequence-length "
@@ -1090,6 +1477,31 @@ def fill_text_cache(pipe, kind: str, prompts: list[str], *, directory: str, devi
                                         length=max_sequence_length)
 
 
+def check_text_cache(directory: str, *, rows: bool = True):
+    """Before the model loads: a --text-cache directory's meta.json a JSON object of what made the embeddings,
+    never embeddings without it (a deleted meta.json would let rows of other settings pass), and with `rows`
+    every row whole (its safetensors header, which a cut file or a pickle fails); else one line."""
+    names = os.listdir(directory) if os.path.isdir(directory) else []
+    found, meta = sorted(f for f in names if f.endswith(".safetensors")), os.path.join(directory, "meta.json")
+    if found and not os.path.isfile(meta):
+        fail(f"--text-cache {directory!r} holds {len(found)} embeddings without the meta.json that says what "
+             f"made them; pass an empty or a new directory")
+    try:
+        ok = not os.path.exists(meta) or {"family", "text_encoders", "max_sequence_length"} <= \
+            read_json(meta).keys()
+    except (OSError, ValueError, AttributeError):  # unreadable, no JSON, no object
+        ok = False
+    if not ok:
+        fail(f"--text-cache {directory!r}: its meta.json is no text cache's description; pass an empty or a "
+             f"new directory")
+    for name in found if rows else []:
+        try:
+            safetensors_header(os.path.join(directory, name))
+        except (OSError, ValueError) as e:
+            fail(f"--text-cache {directory!r}: {name} is no embedding ({e}); delete it (it is encoded again) "
+                 f"or pass another directory")
+
+
 def read_text_cache(directory: str, prompts: list[str], *, masked: list, negative: dict, length: int) -> dict:
     """encode_prompts' embeddings of `prompts` from the files fill_text_cache wrote (bitwise those of the
     batches that filled it; Qwen-Image's differ from another batching's by ~1e-7: docs/models.md)."""
@@ -1102,7 +1514,11 @@ def read_text_cache(directory: str, prompts: list[str], *, masked: list, negativ
         if not os.path.exists(path):
             fail(f"prompt {prompt[:60]!r} is not in the text cache {directory!r} (a file was removed); run "
                  f"again")
-        rows.append({**load_file(path), **negative})
+        try:
+            rows.append({**load_file(path), **negative})
+        except Exception as e:  # damaged since the start (check_text_cache)
+            fail(f"--text-cache {directory!r}: {os.path.basename(path)} cannot be read ({type(e).__name__}); "
+                 f"delete it (it is encoded again) and resume")
     out = {}
     for k in rows[0]:
         if k in masked:

@@ -8,7 +8,8 @@ runs side by side. A config runs max(--min-iterations, its share of --budget-nfe
 of --eval-every, and is evaluated (ODE, 256 fixed held-out prompt/seed pairs) every --eval-every iterations.
 Resumable: finished runs are kept in results/compare/raw/ and skipped; an interrupted run continues from its latest
 checkpoint under --runs-dir (one stopped after its last iteration is only collected). The summary needs only raw/,
-so it can be rebuilt anywhere.
+so it can be rebuilt anywhere. One comparison at a time holds --runs-dir (a second stops in one line); the files it
+keeps there are replaced whole, and one that a kill left unreadable makes its run start over.
 """
 import argparse
 import glob
@@ -159,11 +160,46 @@ def settings(a, config, iterations):
             "flags": CONFIGS[config][1], "version": VERSION}
 
 
-def check_settings(path, want):
-    if os.path.exists(path):
-        have = json.load(open(path)).get("settings")
-        if have != want:
-            sys.exit(f"error: {path} was made with {have}, not {want}; pass another --out / --runs-dir or delete it")
+def rundir():
+    """The project's rundir module (its bounded readers, atomic writes and locks)."""
+    if ROOT not in sys.path:
+        sys.path[:0] = [ROOT]
+    import rundir
+    return rundir
+
+
+def read_json(path, *, limit=1 << 28):
+    """A JSON file of a comparison within bounds (rundir.read_json), or one line naming it."""
+    try:
+        return rundir().read_json(path, limit=limit)
+    except (OSError, ValueError) as e:
+        sys.exit(f"error: {path} cannot be read ({type(e).__name__}); delete it to do that run again")
+
+
+def run_record(out_dir):
+    """<out_dir>.json, what loop() records of a run (its settings, the machines that trained it), or None; one that
+    cannot be read (an older compare.py wrote it in place, and a kill left it empty) takes the run with it: both are
+    removed, and the run starts over."""
+    path = out_dir + ".json"
+    if not os.path.exists(path):
+        return None
+    try:
+        record = rundir().read_json(path)
+        if isinstance(record, dict) and isinstance(record.get("machines", []), list):
+            return record
+    except (OSError, ValueError):
+        pass
+    print(f"{path} cannot be read (a kill while it was written?): {out_dir} starts over", flush=True)
+    os.remove(path)
+    shutil.rmtree(out_dir, ignore_errors=True)
+    return None
+
+
+def check_settings(path, want, found):
+    """A raw file's or a run record's settings (`found`: its content, None if there is none) must be `want`."""
+    have = found.get("settings") if isinstance(found, dict) else found
+    if found is not None and have != want:
+        sys.exit(f"error: {path} was made with {have}, not {want}; pass another --out / --runs-dir or delete it")
 
 
 def machine() -> dict:
@@ -196,29 +232,29 @@ def command(a, config, seed, iterations, out_dir):
     runs = [os.path.join(out_dir, d) for d in os.listdir(out_dir)] if os.path.isdir(out_dir) else []
     resumable = [r for r in runs if os.path.isdir(os.path.join(r, "checkpoints"))
                  and any(not d.endswith(".tmp") for d in os.listdir(os.path.join(r, "checkpoints")))]
-    for r in runs:  # runs that never reached a checkpoint start over
-        if r not in resumable:
+    newest = max(resumable, key=lambda r: (resumed_iteration(["--resume", r]), r)) if resumable else None
+    for r in runs:  # runs that never reached a checkpoint start over; of two (left by two comparisons at once,
+        if r != newest:  # before the lock), the one with the newest checkpoint goes on
+            print(f"removing {r}: " + ("a second run of this seed" if r in resumable else "no checkpoint"), flush=True)
             shutil.rmtree(r) if os.path.isdir(r) else os.remove(r)
-    return cmd + (["--resume", max(resumable)] if resumable else [])
+    return cmd + (["--resume", newest] if newest else [])
 
 
 def recorded_machines(out_dir) -> list:
     """The machines that trained a run's iterations so far, as loop() records them ([] for a run begun elsewhere)."""
-    path = out_dir + ".json"
-    return json.load(open(path)).get("machines", []) if os.path.exists(path) else []
+    return (run_record(out_dir) or {}).get("machines", [])
 
 
 def collect(a, config, seed, iterations, out_dir):
     """Copy a finished run's logs into raw/ (per-iteration metrics, every evaluation's per-pair scores)."""
     (run,) = [os.path.join(out_dir, d) for d in os.listdir(out_dir)]
     rows = {}
-    for line in open(os.path.join(run, "metrics.jsonl")):
-        r = json.loads(line)
+    for r in rundir().read_jsonl(os.path.join(run, "metrics.jsonl")):  # bounded, each row checked
         rows.setdefault(r["iteration"], {}).update(r)  # a resumed run re-logs iterations after its checkpoint
     evals = {}
     for name in os.listdir(run):
         if name.startswith("eval_") and name.endswith(".json"):
-            evals[int(name[5:-5])] = {k: [round(x, 5) for x in v] for k, v in json.load(open(os.path.join(run, name))).items()}
+            evals[int(name[5:-5])] = {k: [round(x, 5) for x in v] for k, v in read_json(os.path.join(run, name)).items()}
     os.makedirs(os.path.dirname(raw_path(a, config, seed)), exist_ok=True)
     tmp = raw_path(a, config, seed) + ".tmp"
     machines = recorded_machines(out_dir)
@@ -233,10 +269,16 @@ def collect(a, config, seed, iterations, out_dir):
 
 def run_all(a):
     iters = plan(a)
+    os.makedirs(a.runs_dir, exist_ok=True)
+    taken = rundir().hold_run_directory(a.runs_dir, what="--runs-dir", why="two comparisons in one --runs-dir would "
+                                        "start the same runs twice")  # held until this process ends
+    if taken:
+        sys.exit(f"error: {taken}")
     for c in a.configs:
         for s in seeds_of(a, c):
-            check_settings(raw_path(a, c, s), settings(a, c, iters[c]))
-            check_settings(os.path.join(a.runs_dir, c, f"seed{s}.json"), settings(a, c, iters[c]))
+            raw, out_dir = raw_path(a, c, s), os.path.join(a.runs_dir, c, f"seed{s}")
+            check_settings(raw, settings(a, c, iters[c]), read_json(raw) if os.path.exists(raw) else None)
+            check_settings(out_dir + ".json", settings(a, c, iters[c]), run_record(out_dir))
     todo = [(c, s) for s in range(max(max(seeds_of(a, c), default=-1) for c in a.configs) + 1)
             for c in sorted(a.configs, key=lambda c: -iters[c] * planned_per_iteration(c))
             if s in seeds_of(a, c) and not os.path.exists(raw_path(a, c, s))]
@@ -280,8 +322,8 @@ def loop(a, iters, *, todo, running, failed, env, t0):
                 continue
             machines = [m for m in recorded_machines(out_dir) if m["from_iteration"] < start]
             machines.append({"from_iteration": start, **machine()})
-            with open(out_dir + ".json", "w") as f:  # which machine trains which iterations, for the CPU unit
-                json.dump({"settings": settings(a, c, iters[c]), "machines": machines}, f)
+            rundir().write_atomically(out_dir + ".json", json.dumps({"settings": settings(a, c, iters[c]),  # a kill
+                                                                     "machines": machines}))  # leaves it whole
             log = open(out_dir + ".log", "a")
             signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGTERM])  # a child is always registered before a stop
             running[(c, s)] = (subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -307,7 +349,7 @@ def load(a):
     for c in a.configs:
         for s in seeds_of(a, c):
             if os.path.exists(raw_path(a, c, s)):
-                runs.setdefault(c, []).append(json.load(open(raw_path(a, c, s))))
+                runs.setdefault(c, []).append(read_json(raw_path(a, c, s)))
     return runs
 
 
@@ -606,7 +648,7 @@ def equal_compute(out):
     # the CPU unit of each machine: every flow_grpo run in raw/, also the seeds past EQUAL's that a machine adding
     # rows runs for its unit alone (--configs flow_grpo --seeds 10 --iterations 10)
     extra = sorted(glob.glob(os.path.join(out, "raw", "flow_grpo__seed*.json")))
-    units = cpu_units([json.load(open(f)) for f in extra])
+    units = cpu_units([read_json(f) for f in extra])
     cv = {c: [curves(r, units) for r in rs] for c, rs in runs.items()}
     eq_nfe = min(x[-1]["nfe"] for xs in cv.values() for x in xs)
     eq_cpu = min(x[-1]["cpu"] for xs in cv.values() for x in xs)

@@ -12,7 +12,6 @@ before a finished run's checkpoints are pruned, evaluate.py --kl-to-base gives e
 first --kl-pairs pairs. The runs are results/compare.py's (run_all: resumable, one thread each, --workers at a time).
 """
 import argparse
-import json
 import math
 import os
 import subprocess
@@ -81,7 +80,7 @@ def kl_of_checkpoints(run, *, pairs: int) -> dict:
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"evaluate.py --kl-to-base failed on {run}: {proc.stderr[-2000:]}")
-        entries = json.load(open(os.path.join(out, "scores.json")))["entries"]
+        entries = compare.read_json(os.path.join(out, "scores.json"))["entries"]
     kl = {str(i): [round(x, 6) for x in e["scores"]["kl_to_base"]] for (i, _), e in zip(ckpts, entries)}
     return {"kl": {"0": [0.0] * pairs, **kl}}
 

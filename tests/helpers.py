@@ -67,6 +67,7 @@ def run_here(script, args):
     import warnings
 
     import torch
+    assert not torch.distributed.is_initialized(), "an earlier test left a process group initialized in this process"
     out, err, code = io.StringIO(), io.StringIO(), 0
     argv, cwd, threads = sys.argv, os.getcwd(), torch.get_num_threads()
     path = os.path.join(ROOT, script)
@@ -139,6 +140,7 @@ def run_in_process(script, args, monkeypatch, wrap=None):
     assert source.count(marker) == 1
     hooks = "".join(f"{name} = __wrap__[{name!r}]({name})\n" for name in wrap or {})
     monkeypatch.setattr(sys, "argv", [script] + [str(a) for a in args])
+    assert not torch.distributed.is_initialized(), "an earlier test left a process group initialized in this process"
     torch.set_num_threads(1)
     try:
         exec(compile(source.replace(marker, hooks + marker), path, "exec"),

@@ -13,7 +13,7 @@ from helpers import check_args, run_script, tiny_flags, tiny_model_dirs
 
 @pytest.mark.parametrize("over,message", [
     ({"group_size": 1}, "--group-size 1 is not allowed; GRPO needs at least 2 images per prompt"),
-    ({"noise_level": -0.1}, "--noise-level -0.1 is not allowed; use a value >= 0"),
+    ({"noise_level": -0.1}, r"--noise-level -0.1 is not allowed; use a value in \[0, 10\]"),
     ({"timestep_fraction": 0.0}, r"--timestep-fraction 0.0 is not allowed; use a value in \(0, 1\]"),
     ({"timestep_fraction": 1.5}, r"--timestep-fraction 1.5 is not allowed; use a value in \(0, 1\]"),
     ({"reward_weights": (1.0, 2.0)}, "--reward-weights has 2 values for 1 rewards; give one per reward"),
@@ -39,13 +39,13 @@ def test_paper_commands_fail_at_once_without_the_prompt_files(tmp_path):
 
 
 @pytest.mark.parametrize("over,message", [
-    ({"eval_num": 0}, "--eval-num 0 is not allowed; use a value >= 1"),
-    ({"ema_every": 0}, "--ema-every 0 is not allowed; use a value >= 1"),
-    ({"clip_range": -1.0}, "--clip-range -1.0 is not allowed; use a value > 0"),
-    ({"beta": -1.0}, "--beta -1.0 is not allowed; use a value >= 0"),
-    ({"learning_rate": -1e-4}, "--learning-rate -0.0001 is not allowed; use a value > 0"),
-    ({"num_iterations": 0}, "--num-iterations 0 is not allowed; use a value >= 1"),
-    ({"reward_weights": (float("nan"),)}, "--reward-weights nan is not allowed; use a value > 0"),
+    ({"eval_num": 0}, r"--eval-num 0 is not allowed; use a value in \[1, 1e7\]"),
+    ({"ema_every": 0}, r"--ema-every 0 is not allowed; use a value in \[1, 1e9\]"),
+    ({"clip_range": -1.0}, r"--clip-range -1.0 is not allowed; use a value in \(0, 100\]"),
+    ({"beta": -1.0}, r"--beta -1.0 is not allowed; use a value in \[0, 1e6\]"),
+    ({"learning_rate": -1e-4}, r"--learning-rate -0.0001 is not allowed; use a value in \(0, 1\]"),
+    ({"num_iterations": 0}, r"--num-iterations 0 is not allowed; use a value in \[1, 1e9\]"),
+    ({"reward_weights": (float("nan"),)}, r"--reward-weights nan is not allowed; use a value in \(0, 1e6\]"),
 ])
 def test_more_argument_checks(over, message):
     with pytest.raises(SystemExit, match=message):
@@ -262,7 +262,7 @@ def test_the_readmes_command_lines_parse_and_pass_the_checks(script):
 
 
 def test_toy_preset_explicit_flags_win(monkeypatch):
-    from common import parse_args
+    from rundir import parse_args
 
     monkeypatch.setattr("sys.argv", ["flow_grpo.py", "--model", "toy", "--beta", "0"])
     args = parse_args(flow_grpo.Args, toy=flow_grpo.TOY, description="")
@@ -346,16 +346,14 @@ def numeric_fields(module):
 
 
 def outside(rule: str, is_int: bool):
-    """Values that break `rule` ("> a", ">= a" or an interval): both sides where there is a bound, NaN and
-    infinity for floats."""
-    if rule[0] in "([":
-        low, high = (float(x) for x in rule[1:-1].split(","))
-        bad = [low if rule[0] == "(" else low - 1, high if rule[-1] == ")" else high + 1]
-    else:
-        op, bound = rule.split()
-        bad = [float(bound) - (0 if op == ">" else 1)]
-    bad = [int(v) for v in bad] if is_int else bad + [float("nan"), float("inf")]
-    return bad
+    """Values that break `rule` (an interval, finite both ways): both sides, just beyond each bound, NaN and
+    infinity for floats, an integer beyond any float for integers."""
+    low, high = (float(x) for x in rule[1:-1].split(","))
+    bad = [low if rule[0] == "(" else low - 1, high if rule[-1] == ")" else high + 1]
+    if not is_int:
+        return [low if rule[0] == "(" else low - abs(low) * 1e-9 - 1e-12, high * (1 + 1e-9) + 1e-12] + bad + [
+            float("nan"), float("inf")]
+    return [int(v) for v in bad] + [10**400]
 
 
 @pytest.mark.parametrize("name", ENTRY_POINTS)

@@ -104,10 +104,10 @@ def test_torchrun_two_processes(tiny, tmp_path):
 
 
 @pytest.mark.parametrize("over,message", [
-    ({"dense_ode_steps": 0}, r"--dense-ode-steps 0 is not allowed; use a value >= 1"),
+    ({"dense_ode_steps": 0}, r"--dense-ode-steps 0 is not allowed; use a value in \[1, 1000\]"),
     ({"dense_ode_steps": 11}, r"--dense-ode-steps 11 is not allowed; use 1..10 or t"),
-    ({"eps1": 0.0}, "--eps1 0.0 is not allowed; use a value > 0"),
-    ({"eps2": -0.01}, "--eps2 -0.01 is not allowed; use a value > 0"),
+    ({"eps1": 0.0}, "--eps1 0.0 is not allowed; use a value in \\(0, 1e4\\]"),
+    ({"eps2": -0.01}, "--eps2 -0.01 is not allowed; use a value in \\(0, 10\\]"),
     ({"calibrate": True, "psi_range": (1.5, 0.1)}, r"--psi-range 1.5 0.1 is not allowed; give the lower bound first"),
     ({"group_size": 1}, "--group-size 1 is not allowed; GRPO needs at least 2 images per prompt"),
 ])

@@ -229,10 +229,10 @@ def test_an_update_is_the_official_loss_and_the_ema_reference_follows_its_law(ti
     ({"train_timesteps": 8}, r"--train-timesteps 8 is not allowed with --trunc-steps 6; use 1..7 \(distinct steps\)"),
     ({"micro_batch": 12}, r"--micro-batch 12 is not allowed; use a multiple of --group-size 24 \(a group's DPO margin "
                           r"needs its errors in one forward\)"),
-    ({"beta_dpo": 0.0}, "--beta-dpo 0.0 is not allowed; use a value > 0"),
-    ({"flow_shift": -1.0}, "--flow-shift -1.0 is not allowed; use a value > 0"),
-    ({"trunc_steps": -1}, "--trunc-steps -1 is not allowed; use a value >= 0"),
-    ({"switch_ema_ref": -2}, "--switch-ema-ref -2 is not allowed; use a value >= 0"),
+    ({"beta_dpo": 0.0}, "--beta-dpo 0.0 is not allowed; use a value in \\(0, 1e5\\]"),
+    ({"flow_shift": -1.0}, "--flow-shift -1.0 is not allowed; use a value in \\[0\\.01, 100\\]"),
+    ({"trunc_steps": -1}, "--trunc-steps -1 is not allowed; use a value in \\[0, 1000\\]"),
+    ({"switch_ema_ref": -2}, "--switch-ema-ref -2 is not allowed; use a value in \\[0, 1e9\\]"),
     ({"updates_per_iteration": 9}, r"--updates-per-iteration 9 is not allowed; use 1..8 \(mini-batches per "
                                    r"iteration\)"),
 ])

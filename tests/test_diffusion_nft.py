@@ -131,7 +131,7 @@ def test_one_and_two_processes_take_the_same_steps_and_resume(tiny, tmp_path, fu
 
 
 @pytest.mark.parametrize("over,message", [
-    ({"nft_beta": 0.0}, "--nft-beta 0.0 is not allowed; use a value > 0"),
+    ({"nft_beta": 0.0}, "--nft-beta 0.0 is not allowed; use a value in \\(0, 100\\]"),
     ({"decay_type": 3}, r"--decay-type 3 is not allowed; use a value in \[0, 2\]"),
     ({"timestep_fraction": 0.05}, "--timestep-fraction 0.05 trains no step of 10; raise it"),
 ])

@@ -1,8 +1,11 @@
 """results/estimate.py on tiny architectures: the same code paths as the full estimate (fake tensors, FSDP2
 over a fake process group, the algorithm files' own Args and closed-form NFE), in seconds, so that it cannot
 rot; and results/gpu_check.py's whole-iteration runs through the algorithm files, on tiny models (CPU)."""
+import copy
+import dataclasses
 import json
 import os
+import re
 import sys
 
 import pytest
@@ -100,10 +103,16 @@ def test_dpo_and_crd_rows():
     assert crd["args"].guidance == 1.0 and crd["cfg"] and dpo["cfg"]
 
 
-def test_reward_models_and_evaluation_rows():
+@pytest.fixture(scope="module")
+def tiny_tables():
+    """The reward models' table and the evaluations' rows on tiny architectures."""
+    return estimate.reward_models(tiny=True), [estimate.estimate_evaluate(s, tiny=True) for s in estimate.EVALUATIONS]
+
+
+def test_reward_models_and_evaluation_rows(tiny_tables):
     """Float32 reward models hold ~2x the bytes of bf16 towers with float32 heads (ImageReward included); the
     evaluate.py row scores with float32 rewards and counts the ODE's NFE."""
-    table = estimate.reward_models(tiny=True)
+    table = tiny_tables[0]
     assert set(table) == set(estimate.REWARD_TABLE)
     for name, r in table.items():
         bf16, fp32 = r["bf16"], r["float32"]
@@ -112,7 +121,7 @@ def test_reward_models_and_evaluation_rows():
     ir = table["imagereward"]
     heads = 4 * sum(p.numel() for p in estimate.reward_model("imagereward", tiny=True)().heads.parameters())
     assert ir["float32"]["resident"] == pytest.approx(2 * (ir["bf16"]["resident"] - heads) + heads, rel=0.01)
-    ev, spec = estimate.estimate_evaluate(tiny=True), estimate.EVALUATE
+    ev, spec = tiny_tables[1][estimate.EVALUATIONS.index(estimate.EVALUATE)], estimate.EVALUATE
     assert ev["nfe"] == spec["prompts"] // spec["world"] * spec["steps"]
     fp32 = sum(table[r]["float32"]["resident"] for r in spec["rewards"])
     assert ev["bytes"]["reward models (float32)"] == fp32
@@ -233,3 +242,120 @@ def test_only_models_a_third_of_the_card_stay_gathered_over_a_rollout():
     for arch, fits in (("flux", True), ("sd3", True), ("qwen-image", False), ("flux2-dev", False)):
         assert (2 * estimate.parameter_counts(arch)[0] <= share) == fits, arch
     assert common.fits_gathered(torch.nn.Linear(4, 4))  # on a CPU: always
+
+
+# ---------------------------------------------------------------- the row files and the committed report
+def test_rows_are_reused_recomputed_or_rebuilt(tmp_path, monkeypatch, capsys, tiny_tables):
+    """A rerun reuses the row file its command made and computes no estimate; a file made by another command
+    or setting, one cut short, and every file under --fresh are recomputed; the report is rebuilt from the files
+    and equals the one the live estimate gives."""
+    index = next(i for i, c in enumerate(estimate.COMMANDS) if c[0] == "1 GPU: AWM, SD3.5-M (LoRA)")  # seconds
+    name, made, real = estimate.COMMANDS[index][0], [], estimate.estimate
+
+    def once(*args, **kwargs):  # the estimate made once, then handed out again (the test is of the row files)
+        made.append(made[0] if made else real(*args, **kwargs))
+        return copy.deepcopy(made[-1])
+    monkeypatch.setattr(estimate, "estimate", once)
+    rewards, evaluations = tiny_tables
+    monkeypatch.setattr(estimate, "reward_models", lambda **k: copy.deepcopy(rewards))
+    monkeypatch.setattr(estimate, "estimate_evaluate",
+                        lambda spec, **k: copy.deepcopy(evaluations[estimate.EVALUATIONS.index(spec)]))
+    out, path = tmp_path / "estimate.md", tmp_path / "estimate" / "rows" / (estimate.slug(name) + ".json")
+
+    def run(*extra):
+        argv = ["--tiny", "--no-undo", "--only", str(index), "--out", str(out), *extra]
+        monkeypatch.setattr(sys, "argv", ["estimate.py", *argv])
+        calls = len(made)
+        estimate.main()
+        return [e["name"] for e in made[calls:]], capsys.readouterr()
+
+    assert run()[0] == [name] and path.is_file()
+    first, live = out.read_text(), made[0]
+    assert f"| {name} |" in first and "Not estimated yet: " in first and "Every row was measured at commit" in first
+    computed, printed = run()
+    assert computed == [] and f"{name}: reused {path}" in printed.out and out.read_text() == first
+    row = json.loads(path.read_text())
+    assert row["fingerprint"] == {"table": "command", "name": name, "script": "awm",
+                                  "argv": estimate.COMMANDS[index][2], "world": 1, "tiny": True, "undo": False}
+    assert row["commit"] == estimate.code_state()["commit"] and row["seconds"] > 0
+    row["fingerprint"]["argv"] += " --eval-num 8"
+    path.write_text(json.dumps(row))
+    computed, printed = run()
+    assert computed == [name] and f"{path}: made with another argv; recomputed" in printed.err
+    text = path.read_text()
+    path.write_text(text[:len(text) // 2])  # a write cut short by a kill (write_row itself renames a whole file)
+    computed, printed = run()
+    assert computed == [name] and f"{path}: unreadable (JSONDecodeError" in printed.err
+    assert run("--fresh")[0] == [name]
+    # a row with the before/after table's re-measurements serves a run without them, not the other way round
+    fingerprint = row["fingerprint"]
+    assert estimate.serves({**fingerprint, "undo": True}, fingerprint)
+    assert not estimate.serves(fingerprint, {**fingerprint, "undo": True})
+    # the report of the row read back is the report of the live estimate
+    paths = [tmp_path / "live.md", tmp_path / "read.md"]
+    for e, p in zip((live, estimate.from_row(estimate.plain(estimate.to_row(live)))), paths):
+        estimate.report([e], str(p), made="")
+    assert paths[0].read_text() == paths[1].read_text()
+    capsys.readouterr()
+    monkeypatch.setattr(sys, "argv", ["estimate.py", "--tiny", "--only", str(len(estimate.COMMANDS))])
+    with pytest.raises(SystemExit, match=f"--only {len(estimate.COMMANDS)}: COMMANDS has indices 0 to"):
+        estimate.main()
+
+
+def test_the_committed_report_is_its_row_files(tmp_path):
+    """results/estimate.md is what its row files give, with a row for every command, the reward models and
+    each evaluation, each made by the command as COMMANDS has it now, and no other row file beside them."""
+    rows = os.path.join(ROOT, "results", "estimate", "rows")
+    paths = estimate.row_paths(rows)
+    assert sorted(os.listdir(rows)) == sorted(os.path.basename(p) for p in paths.values())
+    out = tmp_path / "estimate.md"
+    estimate.write_report(rows, str(out), tiny=False)
+    text = out.read_text()
+    assert "Not estimated yet" not in text
+    with open(os.path.join(ROOT, "results", "estimate.md")) as f:
+        assert f.read() == text
+
+
+# the README's command lines that have no row of their own: the calibration of DenseGRPO's psi(t) (a third of
+# the training run's prompts per iteration); the data, checkpoint and cache paths do not change the estimate
+NOT_ROWS = ("--calibrate",)
+PATHS = ("prompts", "eval_prompts", "text_cache", "psi", "psi_out", "hps_checkpoint", "clip_model")
+
+
+def parsed(script, argv):
+    """The Args a command line gives its file, less the paths."""
+    import tyro
+
+    args = tyro.cli(__import__(script).Args, args=argv)
+    return {k: v for k, v in dataclasses.asdict(args).items() if k not in PATHS and k != "reward_models"}
+
+
+def readme_commands():
+    """(script, world, argv) of every torchrun line of the README, its shell variables expanded."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        lines = f.read().splitlines()
+    variables, out = {}, []
+    for line in lines:
+        if m := re.fullmatch(r'([A-Z]+)="([^"]*)"(\s+#.*)?', line.strip()):
+            variables[m[1]] = m[2]
+        elif line.startswith("torchrun "):
+            words = re.sub(r"\$([A-Z]+)", lambda m: variables[m[1]], re.split(r"\s+#", line)[0]).split()
+            at = next(i for i, w in enumerate(words) if w.endswith(".py"))
+            launcher = dict(zip(words[1:at:2], words[2:at:2]))
+            world = int(launcher.get("--nnodes", 1)) * int(launcher["--nproc_per_node"])
+            out.append((words[at][:-3], world, words[at + 1:]))
+    return out
+
+
+def test_every_readme_command_is_a_row():
+    """Each torchrun line of the README (its shell variables expanded) is a row of COMMANDS: the same file, GPUs
+    and Args but for data, checkpoint and cache paths; so results/estimate.md estimates what the README runs."""
+    commands = readme_commands()
+    assert len(commands) >= 20 and any(w == 32 for _, w, _ in commands)  # (the 4 x 8 MixGRPO line parsed)
+    rows = {(script, world): [] for _, script, _, world in estimate.COMMANDS}
+    for _, script, argv, world in estimate.COMMANDS:
+        rows[(script, world)].append(parsed(script, argv.split()))
+    for script, world, argv in commands:
+        if any(flag in argv for flag in NOT_ROWS):
+            continue
+        assert parsed(script, argv) in rows.get((script, world), []), (script, world, " ".join(argv))

@@ -11,7 +11,7 @@ from functools import partial
 import pytest
 import torch
 
-import common
+import rundir
 import evaluate
 from helpers import ROOT, run_script, tiny_flags, tiny_model_dirs
 
@@ -135,7 +135,7 @@ def test_toy_world_command(toy_run, tmp_path, monkeypatch):
     toy = ["--model", "toy", "--checkpoints", toy_run, "--metrics", "toy_color_position", "toy_shape_count", "toy_strict",
            "--out", str(tmp_path)]
     monkeypatch.setattr(sys, "argv", ["evaluate.py", *toy])
-    entries, preset_pairs = evaluate.check_args(common.parse_args(evaluate.Args, toy=evaluate.TOY, description=""))
+    entries, preset_pairs = evaluate.check_args(rundir.parse_args(evaluate.Args, toy=evaluate.TOY, description=""))
     assert len(preset_pairs) == 256 and [e["weights"] for e in entries] == ["base", "transformer"]
     pairs = 16
     proc = run_script("evaluate.py", [*toy, "--num-prompts", "8", "--seeds-per-prompt", "2"])
@@ -248,12 +248,12 @@ def test_bad_inputs_give_one_line_errors(tmp_path):
         (dict(prompts=p(root, "missing.txt")),
          f"prompt file '{p(root, 'missing.txt')}' does not exist; docs/rewards.md 'Prompt sets' says where each paper's prompts "
          f"come from (or pass any text file with one prompt per line)"),
-        (dict(num_prompts=0), "--num-prompts 0 is not allowed; use a value >= 1"),
-        (dict(seeds_per_prompt=0), "--seeds-per-prompt 0 is not allowed; use a value >= 1"),
+        (dict(num_prompts=0), "--num-prompts 0 is not allowed; use a value in [1, 1e7]"),
+        (dict(seeds_per_prompt=0), "--seeds-per-prompt 0 is not allowed; use a value in [1, 1e4]"),
         (dict(num_prompts=3), f"--num-prompts 3 is more than the 2 prompts of '{p(root, 'prompts.txt')}'; pass fewer, "
          f"or none for all"),
-        (dict(steps=0), "--steps 0 is not allowed; use a value >= 1"),
-        (dict(guidance=float("nan")), "--guidance nan is not allowed; use a value >= 0"),
+        (dict(steps=0), "--steps 0 is not allowed; use a value in [1, 1000]"),
+        (dict(guidance=float("nan")), "--guidance nan is not allowed; use a value in [0, 100]"),
         (dict(checkpoints=(p(root, "cut"),)),
          f"--checkpoints '{p(root, 'cut')}': {p(root, 'cut', 'checkpoints', 'iter_2', 'lora', evaluate.LORA_FILE)} is "
          f"cut short or no safetensors file (228 bytes); export or copy it again"),

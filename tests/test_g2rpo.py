@@ -57,13 +57,13 @@ def test_torchrun_two_processes(tiny, tmp_path, full):
 
 @pytest.mark.parametrize("over,message", [
     ({"lambdas": ()}, r"--lambdas \[\] is not allowed; give distinct values in 1..15"),
-    ({"lambdas": (0, 1)}, r"--lambdas 0 is not allowed; use a value >= 1"),
+    ({"lambdas": (0, 1)}, r"--lambdas 0 is not allowed; use a value in \[1, 1000\]"),
     ({"lambdas": (1, 16)}, r"--lambdas \[1, 16\] is not allowed; give distinct values in 1..15"),
     ({"lambdas": (1, 2, 2)}, r"--lambdas \[1, 2, 2\] is not allowed; give distinct values in 1..15"),
     ({"sde_steps": (0, 1, 2)}, r"--updates-per-iteration 8 is not allowed; use 1..3 \(one per trained k at most"),
     ({"sde_steps": ()}, r"--sde-steps \[\] is not allowed; give distinct values in 0..15"),
     ({"sde_steps": (0, 16)}, r"--sde-steps \[0, 16\] is not allowed; give distinct values in 0..15"),
-    ({"sde_steps": (-1,)}, r"--sde-steps -1 is not allowed; use a value >= 0"),
+    ({"sde_steps": (-1,)}, r"--sde-steps -1 is not allowed; use a value in \[0, 1000\]"),
     ({"group_size": 1}, "--group-size 1 is not allowed; GRPO needs at least 2 images per prompt"),
 ])
 def test_bad_input(over, message):

@@ -272,7 +272,7 @@ def test_urls_are_checked_before_loading():
     with pytest.raises(SystemExit) as e:
         rewards.check("geneval", common.RewardModels(geneval_url="127.0.0.1:18085"))
     assert str(e.value) == ("error: --geneval-url '127.0.0.1:18085' is not an http:// address of the reward "
-                            "server")
+                            "server (a host, a port in 1-65535, no spaces)")
     assert common.RewardModels().geneval_url == "http://127.0.0.1:18085"
     assert common.RewardModels().deqa_url == "http://127.0.0.1:18086"
 

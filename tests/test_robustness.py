@@ -124,15 +124,19 @@ def test_a_file_replaced_atomically_survives_kill_9_anywhere(tmp_path):
 
 
 def test_a_full_disk_at_a_checkpoint_stops_in_one_line_and_the_last_one_resumes(tiny, tmp_path, monkeypatch):
-    """The second checkpoint's state.pt meets ENOSPC: one line naming the file, no iter_2.tmp left behind, and
-    --resume continues from iter_1."""
+    """The second checkpoint's state.pt meets ENOSPC as torch's stream writer meets it (the OSError of its write
+    under a RuntimeError "unexpected pos"): one line saying so, naming the checkpoint, no iter_2.tmp left behind,
+    and --resume continues from iter_1."""
     import torch
     real_save, calls = torch.save, []
 
     def save(obj, f, *a, **k):
         calls.append(f)
         if len(calls) == 2:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), f.name)
+            try:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            except OSError:
+                raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
         return real_save(obj, f, *a, **k)
 
     monkeypatch.setattr(torch, "save", save)
@@ -140,7 +144,7 @@ def test_a_full_disk_at_a_checkpoint_stops_in_one_line_and_the_last_one_resumes(
     proc = run_script("flow_grpo.py", tiny_flags(tiny["flux"], tiny["prompts"], tmp_path, **flags), check=False)
     (name,) = os.listdir(tmp_path)
     run_dir = str(tmp_path / name)
-    state = os.path.join(run_dir, "checkpoints", "iter_2.tmp", "state.pt")
+    state = os.path.join(run_dir, "checkpoints", "iter_2.tmp")
     assert error_line(proc) == (f"error: cannot write {state!r} (No space left on device): the run stops here; its "
                                 f"last complete checkpoint resumes: --resume {run_dir}")
     assert sorted(os.listdir(os.path.join(run_dir, "checkpoints"))) == ["iter_1"]
@@ -187,8 +191,22 @@ def free_port():
 @pytest.mark.parametrize("env,message", [
     ({"WORLD_SIZE": "2"}, "error: WORLD_SIZE=2 is set but RANK, MASTER_ADDR, MASTER_PORT not (left in the shell by "
                           "a torchrun run?); launch with torchrun, or unset WORLD_SIZE for one process"),
-    ({"WORLD_SIZE": "two"}, "error: WORLD_SIZE='two' in the environment is not a number; launch with torchrun, or "
-                            "unset it"),
+    ({"WORLD_SIZE": "two"}, "error: WORLD_SIZE='two' in the environment is not a number in [1, 1000000]; launch "
+                            "with torchrun, or unset it"),
+    ({"WORLD_SIZE": "0"}, "error: WORLD_SIZE='0' in the environment is not a number in [1, 1000000]; launch with "
+                          "torchrun, or unset it"),
+    ({"WORLD_SIZE": "9" * 5000}, "error: WORLD_SIZE='" + "9" * 12 + "..." + "9" * 13 + "' in the environment is not a "
+                                 "number in [1, 1000000]; launch with torchrun, or unset it"),
+    ({"MASTER_PORT": "70000"}, "error: MASTER_PORT='70000' in the environment is not a number in [1, 65535]; launch "
+                               "with torchrun, or unset it"),
+    ({"RANK": "\x1b[2J"}, "error: RANK='\\x1b[2J' in the environment is not a number in [0, 1000000]; launch with "
+                          "torchrun, or unset it"),
+    ({"RENDEZVOUS_TIMEOUT": "abc"}, "error: RENDEZVOUS_TIMEOUT='abc' in the environment is not a number of seconds "
+                                    "in (0, 86400]"),
+    ({"RENDEZVOUS_TIMEOUT": "inf"}, "error: RENDEZVOUS_TIMEOUT='inf' in the environment is not a number of seconds "
+                                    "in (0, 86400]"),
+    ({"RENDEZVOUS_TIMEOUT": "0"}, "error: RENDEZVOUS_TIMEOUT='0' in the environment is not a number of seconds "
+                                  "in (0, 86400]"),
     ({"WORLD_SIZE": "2", "RANK": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"},
      "error: RANK=2 is not below WORLD_SIZE=2; launch with torchrun"),
 ])
@@ -276,8 +294,9 @@ def test_evaluate_checks_that_every_export_fits_before_scoring_anything(tiny, tm
     evaluate.check_fits({"name": "x", "path": str(export), "weights": "transformer"}, base, "m")  # fits: no error
 
 
-@pytest.mark.parametrize("field,value,message", [("reward_timeout", 0.0, "--reward-timeout 0.0 is not allowed; use a value > 0"),
-                                                 ("reward_retries", -1, "--reward-retries -1 is not allowed; use a value >= 0")])
+@pytest.mark.parametrize("field,value,message", [("reward_timeout", 0.0, "--reward-timeout 0.0 is not allowed; use a value in (0, 86400]"),
+                                                 ("reward_timeout", 1e300, "--reward-timeout 1e+300 is not allowed; use a value in (0, 86400]"),
+                                                 ("reward_retries", -1, "--reward-retries -1 is not allowed; use a value in [0, 100]")])
 def test_the_reward_server_flags_are_checked(field, value, message):
     import dataclasses
 

@@ -261,7 +261,7 @@ def test_the_api_key_leaves_sys_argv_once_parsed(monkeypatch, given):
     import sys
 
     import flow_grpo
-    from common import parse_args
+    from rundir import parse_args
 
     monkeypatch.setattr(sys, "argv", ["flow_grpo.py", "--beta", "0", *given, "--seed", "3"])
     args = parse_args(flow_grpo.Args, toy=flow_grpo.TOY, description="")

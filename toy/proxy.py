@@ -5,7 +5,9 @@ one float in [0, 1] per image, as ProxyNet with the committed weights toy/proxy/
 toy/make_proxy.py, which says how) predicts the toy preset's training reward (toy_color_position +
 toy_shape_count) / 2. It is a stand-in for a learned reward model: trained on some 12,000 of the base model's
 own samples, it is right where those samples are and wrong, in ways nobody chose, where they are not, so an
-optimiser can find images it overrates (docs/toy_world.md: "The learned proxy reward").
+optimiser can find images it overrates (docs/toy_world.md: "The learned proxy reward"). The run's rewards load it with
+`load_reward(device)`, which reads and checks the weights and proxy.json at the start (one line if they are missing,
+cut short or of another width). It imports world.py, never the other way.
 """
 import functools
 import json
@@ -62,16 +64,39 @@ class ProxyNet(nn.Module):
 
 
 def load_proxy(path: str = WEIGHTS, device="cpu") -> ProxyNet:
-    """ProxyNet with the weights at `path` (its architecture from the json beside it), frozen, in eval mode."""
-    if not os.path.isfile(path):
-        raise SystemExit(f"error: the toy proxy reward's weights are not at {path!r}: copy this project's "
-                         f"toy/proxy/ there, or remake them with python toy/make_proxy.py")
-    from safetensors.torch import load_file
+    """ProxyNet with the weights at `path` (its architecture from proxy.json beside them), frozen, in eval mode;
+    weights or a proxy.json that are missing, cut short, not JSON or of another architecture stop in one line."""
+    remake = "copy this project's toy/proxy/ there, or remake them with python toy/make_proxy.py"
     about = os.path.join(os.path.dirname(path), "proxy.json")
-    arch = json.load(open(about))["architecture"] if os.path.isfile(about) else {}
+    for what, where in (("weights are", path), ("proxy.json is", about)):
+        if not os.path.isfile(where):
+            raise SystemExit(f"error: the toy proxy reward's {what} not at {where!r}: {remake}")
+    try:
+        with open(about, "rb") as f:
+            arch = json.loads(f.read(1 << 16))["architecture"]  # (a small file: 64 kB at most)
+        if not (set(arch) <= {"width", "hidden"} and all(type(v) is int and 1 <= v <= 4096 for v in arch.values())):
+            raise ValueError("architecture: not {width, hidden} in 1..4096")
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
+        raise SystemExit(f"error: the toy proxy reward's {about!r} holds no architecture ({type(e).__name__}); "
+                         f"{remake}") from None
+    from safetensors.torch import load_file
     net = ProxyNet(**arch)
-    net.load_state_dict(load_file(path))
+    try:
+        net.load_state_dict(load_file(path))
+    except Exception as e:  # cut short, another format, another width
+        why = next((line.strip().split(":")[0] for line in str(e).splitlines() if "mismatch" in line or "key(s)"
+                    in line), type(e).__name__)  # e.g. "size mismatch for convs.0.weight"
+        raise SystemExit(f"error: the toy proxy reward's weights {path!r} do not load into the architecture of "
+                         f"proxy.json {arch} ({why!r}); {remake}") from None
     return net.to(device).eval().requires_grad_(False)
+
+
+def load_reward(device="cpu"):
+    """The proxy as a reward, fn(images, prompts) -> float [B], its weights loaded and checked now (a run's
+    start: common.load_rewards), not at the first call."""
+    net = load_proxy(WEIGHTS, device)
+    _cached.cache_clear()
+    return functools.partial(_score, net)
 
 
 @functools.lru_cache(maxsize=4)
@@ -79,11 +104,16 @@ def _cached(device: str) -> ProxyNet:
     return load_proxy(WEIGHTS, device)
 
 
-@torch.no_grad()
 def toy_proxy_reward(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
-    """The learned proxy of (toy_color_position + toy_shape_count) / 2: float [B] in [0, 1] on images' device."""
+    """The learned proxy of (toy_color_position + toy_shape_count) / 2: float [B] in [0, 1] on images' device
+    (the committed weights, loaded at the first call)."""
+    return _score(_cached(str(images.device)), images, prompts)
+
+
+@torch.no_grad()
+def _score(net: ProxyNet, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
     x = images.float().clamp(0, 1)
     if x.shape[-2:] != (SIZE, SIZE):
         x = F.interpolate(x, size=(SIZE, SIZE), mode="bilinear", antialias=True, align_corners=False)
-    net = _cached(str(x.device))
+    net = net.to(x.device)
     return net(x, prompt_features(prompts).to(x.device))

@@ -136,14 +136,3 @@ def toy_strict_accuracy(images: torch.Tensor, prompts: list[str]) -> torch.Tenso
     iou_req = a["iou"].gather(-1, a["shape"][..., None])[..., 0]
     ok = (a["hard_area"] >= 20) & (a["placement"] >= 0.75) & (a["iou"].argmax(-1) == a["shape"]) & (iou_req >= 0.6)
     return ((ok | (a["valid"] == 0)).all(1) & (a["purity"] >= 0.85)).float()
-
-
-def toy_proxy_reward(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
-    """The learned proxy of the training reward (toy_color_position + toy_shape_count) / 2: a small CNN trained
-    on some 12,000 of the base model's samples (toy/proxy.py, made by toy/make_proxy.py), for measuring
-    over-optimisation against the exact rewards; its weights load on first use."""
-    if __package__:
-        from .proxy import toy_proxy_reward as proxy
-    else:
-        from proxy import toy_proxy_reward as proxy
-    return proxy(images, prompts)
