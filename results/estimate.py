@@ -153,6 +153,17 @@ COMMANDS = [
      + " --nft-beta 0.1", 8),
     ("AWM, Z-Image, PickScore (LoRA, [klein]'s recipe)", "awm", README_Z + " --ema-beta 0.1 --kl-ema-decay 0.9 "
      "--adv-clip 1 --no-global-std", 8),
+    # online Diffusion-DPO and CRD (appended): SD3.5-M at the official settings, a 2026 family at a public recipe
+    ("Online Diffusion-DPO, SD3.5-M, PickScore (LoRA)", "dpo", "", 8),  # Flow-GRPO's config/dpo.py pickscore_sd3
+    # verl-omni's online DPO recipe (run_qwen_image_online_dpo_lora.sh): the policy samples, 35 steps at CFG 1
+    ("Online Diffusion-DPO, Qwen-Image, OCR (LoRA, verl-omni's recipe)", "dpo", "--model qwen-image --guidance 1 "
+     "--lora-rank 64 --lora-alpha 128 --group-size 16 --num-steps 35 --eval-steps 50 --prompts-per-iteration 32 "
+     "--max-sequence-length 256 --rollout-model policy --rewards ocr", 4),
+    ("CRD, SD3.5-M, OCR (LoRA)", "crd", "", 8),  # Flow-Factory's examples/crd/lora/sd3_5/default.yaml
+    # Flow-Factory's FLUX.2 [klein] base recipes (8 steps, 384 px, G 16) with CRD's example
+    ("CRD, FLUX.2 [klein] base 9B, OCR (LoRA)", "crd", "--model flux2-klein-base-9b --guidance 1 --kl-cfg 4 "
+     "--lora-rank 64 --lora-alpha 128 --resolution 384 --num-steps 8 --eval-steps 28 --group-size 16 "
+     "--micro-batch 16 --max-sequence-length 512", 8),
 ]
 # evaluate.py's evaluation of FLUX.1-dev, modelled with rundir.Run.evaluate's phases
 EVALUATE = dict(name="evaluate.py, FLUX.1-dev, 720 px, 50 steps, 400 prompts, 8 GPUs", kind="flux",
@@ -741,7 +752,7 @@ def rollout_steps(mod, script: str, args) -> dict:
         last = mod.window_steps(args, 0)[-1]
         steps = last + mod.flash_points(args, last) if args.flash else T
         return {"latents": steps + 1, "log_probs": last + 1 if args.flash else T, "velocities": 0}
-    if script == "diffusion_nft":  # the ODE's latents only
+    if script in ("diffusion_nft", "dpo", "crd"):  # the rollout's latents only
         return {"latents": T + 1, "log_probs": 0, "velocities": 0}
     velocities = T if keeps_sampler_velocities(script, args) else 0
     means = T if script == "flow_dppo" or getattr(args, "guard", False) else 0  # each step's rollout mean
@@ -781,8 +792,9 @@ def estimate(name, script, argv, world, *, tiny=False, undo=(), phases=None, cou
             patched(common.import_sibling("rewards"), "check", lambda *a, **k: None):
         mod.check_args(args, world)
     kind, arch = model_architecture(args.model)
-    beta, nfe, cache = args.beta, mod.planned_nfe(args), bool(args.text_cache)
-    # a reference model for the KL, and for DGPO's DPO margin at any beta (unless --ema-reference)
+    beta, nfe, cache = getattr(args, "beta", 0.0), mod.planned_nfe(args), bool(args.text_cache)
+    # a reference model for the KL, and for DGPO's DPO margin at any beta (unless --ema-reference); dpo.py's
+    # reference is a copy of the trainable weights
     reference = beta > 0 or (script == "dgpo" and not args.ema_reference)
     P, G, T = args.prompts_per_iteration // world, args.group_size, args.num_steps
     mb, bf16, sharded = min(args.micro_batch, P * G), torch.bfloat16, args.full_finetune and world > 1
@@ -839,7 +851,8 @@ def estimate(name, script, argv, world, *, tiny=False, undo=(), phases=None, cou
     pipe.config = types.SimpleNamespace(is_distilled=args.model in DISTILLED)
     common.check_guidance(pipe, kind, args.guidance)
     mode = common.FAMILIES[kind]["guidance"](pipe)
-    cfg = (mode == "cfg" and args.guidance > 1) or (mode == "cfg0" and args.guidance > 0)  # negatives too
+    guidance = max(args.guidance, getattr(args, "kl_cfg", 0.0))  # crd.py encodes its KL reference's negatives
+    cfg = (mode == "cfg" and guidance > 1) or (mode == "cfg0" and guidance > 0)  # negatives too
     (C, H, W), _ = common.FAMILIES[kind]["latent"](pipe, args.resolution)
     R, pooled_dim, masked = args.resolution, None, kind in ("qwenimage", "zimage")
     tokens = text_tokens = args.max_sequence_length  # the newer families pad to it (and keep a mask)
@@ -860,7 +873,9 @@ def estimate(name, script, argv, world, *, tiny=False, undo=(), phases=None, cou
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         ema = [p.detach().float().clone() for p in params] if args.ema else []
-        old = [p.detach().clone() for p in params] if script == "diffusion_nft" else []  # DiffusionNFT's
+        # DiffusionNFT's old policy, dpo.py's reference, crd.py's old and sampling snapshots
+        old = [p.detach().clone() for _ in range({"diffusion_nft": 1, "dpo": 1, "crd": 2}.get(script, 0))
+               for p in params]
         kl_ema = [p.detach().clone() for p in params] if script in ("awm", "dgpo") else []  # KL-EMA, EMA ref
         ema += kl_ema
         resident = [transformer, vae, optimizer, *loaded.values()] + ([ref] if ref is not None else []) + ema + old
@@ -962,6 +977,8 @@ def estimate(name, script, argv, world, *, tiny=False, undo=(), phases=None, cou
                     step_buffers += [lat(N, bf16), lat(N), lat(N)]
                 elif script == "dgpo":  # v (x, x0 and x0_prev are kept)
                     step_buffers += [lat(N, bf16)]
+                elif script in ("dpo", "crd"):  # v, and the SDE's noise and mean (dpo) or v.float() (crd)
+                    step_buffers += [lat(N, bf16), lat(N)] + ([lat(N)] if script == "dpo" else [])
                 with common.swapped_in(params, old):
                     common.velocity(transformer, kind, x, sigmas[1], e, guidance=args.guidance)
                 del step_buffers
@@ -1006,9 +1023,39 @@ def estimate(name, script, argv, world, *, tiny=False, undo=(), phases=None, cou
                 loss = loss + beta * ((v - v_ref.float()) ** 2).mean()
             loss.backward()
 
+        def train_dpo():  # dpo.py's lines: the reference (swapped in), the policy, float64 errors, the DPO loss
+            e = {k: v for k, v in common.select(emb, rows[:mb]).items() if not k.startswith("neg_")}
+            x0, eps, t = lat(mb), lat(mb), torch.full((mb,), 0.5)
+            x_t = (1 - t.view(-1, 1, 1, 1)) * x0 + t.view(-1, 1, 1, 1) * eps
+            with torch.no_grad(), common.swapped_in(params, old):
+                v_ref = common.velocity(transformer, kind, x_t, t, e, guidance=args.guidance)
+            v = common.velocity(transformer, kind, x_t, t, e, guidance=args.guidance)
+            mse, mse_ref = (((w.double() - (eps - x0).double()) ** 2).mean(dim=(1, 2, 3)) for w in (v, v_ref))
+            w_diff, l_diff = (mse - mse_ref).chunk(2)
+            (-torch.nn.functional.logsigmoid(-0.5 * args.beta_dpo * (w_diff - l_diff)).mean()).backward()
+
+        def train_crd():  # crd.py's lines: the old model (swapped in), the policy, the guided reference, the loss
+            e, x0, eps, t = common.select(emb, rows[:mb]), lat(mb), lat(mb), torch.full((mb,), 0.5)
+            x_t = (1 - t.view(-1, 1, 1, 1)) * x0 + t.view(-1, 1, 1, 1) * eps
+            with torch.no_grad(), common.swapped_in(params, old):
+                v_old = common.velocity(transformer, kind, x_t, t, e, guidance=args.guidance).float()
+            v = common.velocity(transformer, kind, x_t, t, e, guidance=args.guidance).float()
+            weight = lambda w: (w.detach().double() - (eps - x0)).abs().mean((1, 2, 3), keepdim=True)  # noqa
+            r_theta = -((v - eps + x0) ** 2 / weight(v) - (v_old - eps + x0) ** 2 / weight(v_old)).mean((1, 2, 3))
+            group = torch.arange(mb) // args.group_size
+            loss = mod.centred_reward_loss(r_theta, torch.rand(mb), group, beta=args.crd_beta, loss=args.crd_loss,
+                                           temperature=args.weight_temp).mean()
+            if beta > 0:
+                with torch.no_grad(), common.as_reference(transformer, ref) as reference:
+                    v_ref = common.velocity(reference, kind, x_t, t, e, guidance=args.kl_cfg)
+                loss = loss + beta * ((v - v_ref.float()) ** 2).mean()
+            loss.backward()
+
         def train():
             if script == "diffusion_nft":
                 return train_nft()
+            if script in ("dpo", "crd"):
+                return train_dpo() if script == "dpo" else train_crd()
             j = 1  # a trained step: noise > 0
             adv, old_log_probs = torch.ones(mb if script != "g2rpo" else train_rows * G), torch.zeros(mb)
             e = common.select(emb, rows[:train_rows])

@@ -88,6 +88,21 @@ def test_new_algorithms_rows():
     assert dance["bytes"]["reward models (bf16 towers)"] > 0  # HPS + CLIP
 
 
+def test_dpo_and_crd_rows():
+    """dpo.py holds its reference as a copy of the trainable weights (no frozen model), crd.py its old and sampling
+    snapshots; CRD's prompts carry the negatives of its CFG-guided KL reference at guidance 1; the NFE are the
+    files'."""
+    fast = dict(tiny=True, phases=("training step",), count_flops=False)
+    dpo = estimate.estimate(*command("Online Diffusion-DPO, SD3.5-M"), **fast)
+    crd = estimate.estimate(*command("CRD, SD3.5-M"), **fast)
+    for e, copies in ((dpo, 1), (crd, 2)):
+        b = e["bytes"]
+        assert b["old policy (float32)"] == copies * b["trainable (float32)"] > 0
+        assert e["nfe"] == __import__(e["script"]).planned_nfe(e["args"])
+    assert dpo["bytes"]["reference (bf16)"] == 0 and crd["bytes"]["reference (bf16)"] == 0  # LoRA: adapters off
+    assert crd["args"].guidance == 1.0 and crd["cfg"] and dpo["cfg"]
+
+
 @pytest.fixture(scope="module")
 def tiny_tables():
     """The reward models' table and the evaluations' rows on tiny architectures."""

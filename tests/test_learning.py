@@ -31,6 +31,9 @@ pytestmark = pytest.mark.slow
 # dgpo (8 prompts, 5 iterations, trunc_steps 9, beta 0.04, lr 1e-4): +0.0192 +- 0.0055 (+3.5 SE); flow_dppo (8
 #   prompts, 3 SDE steps of the first 8, a 1.2, lr 5e-5, 2 steps per iteration, 10 iterations): +0.0139 +- 0.0036
 #   (+3.8 SE; 5: +2.2) (docs/dgpo.md, docs/flow_dppo.md)
+# dpo (8 prompts, the reference's SDE rollout, beta_dpo 1000, lr 3e-5, 10 iterations): +0.0073 +- 0.0027 (+2.6 SE;
+#   5: +1.6); crd (8 prompts, 8 timesteps per group, beta 0.1, kl_cfg 3.5, 4 iterations): +0.0169 +- 0.0060 (+2.8
+#   SE; 5: +3.7) (docs/dpo.md, docs/crd.md)
 CASES = {  # name: (script, iterations, flags)
     "g2rpo": ("g2rpo.py", 7, ["--lambdas", "1"]),
     "densegrpo": ("densegrpo.py", 5, ["--prompts-per-iteration", "4", "--psi", "results/toy_psi.json",
@@ -42,6 +45,8 @@ CASES = {  # name: (script, iterations, flags)
     "awm": ("awm.py", 6, []),
     "dgpo": ("dgpo.py", 5, []),
     "flow_dppo": ("flow_dppo.py", 5, []),
+    "dpo": ("dpo.py", 10, []),
+    "crd": ("crd.py", 4, []),
 }
 
 

@@ -53,7 +53,7 @@ def rel_diff(a, b):
     return (sum(((a[k] - b[k]) ** 2).sum() for k in a) / sum((a[k] ** 2).sum() for k in a)).sqrt().item()
 
 
-MODES = ["plain", "checkpointing", "bf16", "lora", "awm", "lora,awm"]
+MODES = ["plain", "checkpointing", "bf16", "lora", "awm", "lora,awm", "dpo", "lora,dpo", "crd", "lora,crd"]
 
 
 @pytest.fixture(scope="module")
@@ -78,11 +78,14 @@ def test_fsdp2_gradient_equals_the_full_batch_gradient(steps):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["plain", "lora", "awm", "lora,awm"], ids=["fsdp2", "lora-ddp", "awm-fsdp2", "awm-lora-ddp"])
+@pytest.mark.parametrize("mode", ["plain", "lora", "awm", "lora,awm", "dpo", "lora,dpo", "crd", "lora,crd"],
+                         ids=["fsdp2", "lora-ddp", "awm-fsdp2", "awm-lora-ddp", "dpo-fsdp2", "dpo-lora-ddp",
+                              "crd-fsdp2", "crd-lora-ddp"])
 def test_one_optimizer_step_is_the_same_on_one_and_two_processes(steps, mode):
     """The same batch, split over 2 ranks, gives the same weights after common.optimizer_step (gradient averaging,
-    norm clipping, AdamW) as one process with all of it: FSDP2 full fine-tuning and DDP-style LoRA; Flow-GRPO's loss and
-    AWM's (whose KL-EMA forward swaps a weight set into the FSDP2 shards)."""
+    norm clipping, AdamW) as one process with all of it: FSDP2 full fine-tuning and DDP-style LoRA; Flow-GRPO's loss,
+    AWM's (whose KL-EMA forward swaps a weight set into the FSDP2 shards), DPO's (a pair per rank, the reference swapped
+    in) and CRD's (a group per rank, centred on its own, the old model swapped in)."""
     (start, one), (start2, two) = ((steps[n][mode]["before"], steps[n][mode]["updated"]) for n in (1, 2))
     assert one.keys() == two.keys() == start.keys() and len(one) > 0
     assert all(torch.equal(start[k], start2[k]) for k in start)
