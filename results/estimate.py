@@ -102,9 +102,10 @@ COMMANDS = [
     ("Flow-GRPO, FLUX.2 [klein] base 9B, PickScore (LoRA)", "flow_grpo", KLEIN9, 8),
     ("DiffusionNFT, FLUX.2 [klein] base 9B, PickScore (LoRA)", "diffusion_nft", KLEIN9, 8),
     ("AWM, FLUX.2 [klein] base 9B, PickScore (LoRA)", "awm", KLEIN9, 8),
-    # micro-batches of 6: the CFG gradient through both halves holds 12 latents' activations (12: 88.0 GiB)
-    ("Flow-GRPO, Qwen-Image, PickScore (full FT, micro-batch 6)", "flow_grpo", "--model qwen-image --guidance 4 "
-     "--max-sequence-length 256 --full-finetune --no-ema --micro-batch 6", 8),
+    # 16 GPUs: Qwen-Image's two CFG forwards (one per half, as its pipeline) keep each FSDP2 block gathered from
+    # one half's backward to the other's when the gradient goes through both (docs/scale.md): 8 GPUs need 76.9-88.0
+    ("Flow-GRPO, Qwen-Image, PickScore (full FT, 16 GPUs, micro-batch 6)", "flow_grpo", "--model qwen-image "
+     "--guidance 4 --max-sequence-length 256 --full-finetune --no-ema --micro-batch 6", 16),
     # FLUX.2 [dev]'s 60 GiB of bf16 weights leave room for rank 32 and micro-batches of 2 (r64 and 12: 86 GiB)
     ("Flow-GRPO, FLUX.2 [dev], PickScore (LoRA r32, micro-batch 2, text cache)", "flow_grpo", "--model flux2-dev "
      "--guidance 4 --lora-rank 32 --lora-alpha 64 --micro-batch 2 --text-cache /cache/flux2-dev", 8),
