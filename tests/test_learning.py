@@ -28,12 +28,12 @@ pytestmark = pytest.mark.slow
 #   +0.0055 +- 0.0035 (+1.6 SE; n = t and a uniform psi: +0.0061 +- 0.0039, +1.6 SE)
 # diffusion_nft (8 prompts, 4 iterations, half of the 16 timesteps per sample): +0.0088 +- 0.0051 (+1.7 SE; 6: +3.5)
 # awm (8 prompts, 6 iterations, beta 0.04, ema_beta 1, lr 1e-4): +0.0102 +- 0.0063 (+1.6 SE; 8: +3.4)
-# dgpo (8 prompts, 5 iterations, trunc_steps 9, beta 0.04, lr 1e-4): +0.0192 +- 0.0055 (+3.5 SE); flow_dppo (8
-#   prompts, 3 SDE steps of the first 8, a 1.2, lr 5e-5, 2 steps per iteration, 10 iterations): +0.0139 +- 0.0036
-#   (+3.8 SE; 5: +2.2) (docs/dgpo.md, docs/flow_dppo.md)
-# dpo (8 prompts, the reference's SDE rollout, beta_dpo 1000, lr 3e-5, 10 iterations): +0.0073 +- 0.0027 (+2.6 SE;
-#   5: +1.6); crd (8 prompts, 8 timesteps per group, beta 0.1, kl_cfg 3.5, 4 iterations): +0.0169 +- 0.0060 (+2.8
-#   SE; 5: +3.7) (docs/dpo.md, docs/crd.md)
+# dgpo (8 prompts, 3 iterations, trunc_steps 9, beta 0.04, lr 1e-4): +0.0086 +- 0.0050 (+1.7 SE; 5: +3.5); flow_dppo (8
+#   prompts, 3 SDE steps of the first 8, a 1.2, lr 5e-5, 2 steps per iteration, 5 iterations): +2.2 SE (10: +0.0139
+#   +- 0.0036, +3.8 SE) (docs/dgpo.md, docs/flow_dppo.md)
+# dpo (8 prompts, the reference's SDE rollout, beta_dpo 1000, lr 3e-5, 5 iterations): +1.6 SE (10: +0.0073 +-
+#   0.0027, +2.6 SE); crd (8 prompts, 8 timesteps per group, beta 0.1, kl_cfg 3.5, 3 iterations): +0.0089 +- 0.0058 (+1.5
+#   SE; 4: +2.8, 5: +3.7) (docs/dpo.md, docs/crd.md)
 CASES = {  # name: (script, iterations, flags)
     "g2rpo": ("g2rpo.py", 7, ["--lambdas", "1"]),
     "densegrpo": ("densegrpo.py", 5, ["--prompts-per-iteration", "4", "--psi", "results/toy_psi.json",
@@ -43,10 +43,10 @@ CASES = {  # name: (script, iterations, flags)
     "mixgrpo": ("mixgrpo.py", 12, []),
     "diffusion_nft": ("diffusion_nft.py", 4, []),
     "awm": ("awm.py", 6, []),
-    "dgpo": ("dgpo.py", 5, []),
+    "dgpo": ("dgpo.py", 3, []),
     "flow_dppo": ("flow_dppo.py", 5, []),
-    "dpo": ("dpo.py", 10, []),
-    "crd": ("crd.py", 4, []),
+    "dpo": ("dpo.py", 5, []),
+    "crd": ("crd.py", 3, []),
 }
 
 
