@@ -236,7 +236,8 @@ def centred_reward_loss(r_theta, reward, group, *, beta: float, loss: str, tempe
         zeros = torch.zeros(len(group), dtype=scores.dtype, device=scores.device)  # a slot per group label
         top = (zeros - math.inf).scatter_reduce(0, group, scores, "amax")[group]
         w = torch.where(top == -math.inf, 1.0, torch.exp(scores - top))  # a group with none: uniform
-        mean = lambda z: (zeros.index_add(0, group, w * z) / zeros.index_add(0, group, w))[group]  # noqa: E731
+        def mean(z):  # each sample's group mean, weighted by w
+            return (zeros.index_add(0, group, w * z) / zeros.index_add(0, group, w))[group]
         rc, rc_theta = reward - mean(reward), r_theta - mean(r_theta.detach())
         if loss == "bce":
             return F.binary_cross_entropy_with_logits(beta * rc_theta, torch.sigmoid(rc), reduction="none")
