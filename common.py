@@ -838,6 +838,8 @@ ARG_RANGES = {
     "train_timesteps": "[1, 1000]", "advantage_max": "(0, 1e6]", "ghuber_power": "(0, 10]",
     "ema_beta": "[0, 1e6]", "kl_ema_decay": "[0, 1]", "flow_shift": "[0.01, 100]", "trunc_steps": "[0, 1000]",
     "beta_dpo": "(0, 1e5]", "switch_ema_ref": "[0, 1e9]", "kl_threshold": "[0, 1e6]",
+    # online DPO, CRD
+    "ref_update_step": "[1, 1e9]", "crd_beta": "(0, 1e6]", "weight_temp": "[-1, 1e6]", "kl_cfg": "[0, 100]",
     # evaluate.py
     "num_prompts": "[1, 1e7]", "seeds_per_prompt": "[1, 1e4]", "steps": "[1, 1000]",
 }

@@ -29,6 +29,8 @@ import sys
 import textwrap
 import threading
 import time
+import types
+import typing
 
 import torch
 import torch.distributed as dist
@@ -66,30 +68,67 @@ def checkpoint_arguments(path: str) -> dict | None:
 def arguments_from(args_class, saved: dict):
     """An Args of `args_class` holding the values of a checkpoint's run.json (tuples from its lists, the
     reward models' fields, secrets left out: <hidden> in the file); fields it lacks keep their defaults."""
-    base, values = args_class(), {}
+    base, values, hints = args_class(), {}, typing.get_type_hints(args_class)
     for f in dataclasses.fields(args_class):
         if f.name not in saved or f.name == "resume":
             continue
         default, value = getattr(base, f.name), saved[f.name]
         if dataclasses.is_dataclass(default) and isinstance(value, dict):
-            known = {g.name for g in dataclasses.fields(default)}
-            value = {k: typed(k, getattr(default, k), v) for k, v in value.items()
-                     if k in known and k not in SECRETS}
-            value = dataclasses.replace(default, **value)
-        values[f.name] = typed(f.name, default, value)
+            inner = typing.get_type_hints(type(default))
+            value = {k: typed(k, inner[k], v) for k, v in value.items() if k in inner and k not in SECRETS}
+            values[f.name] = dataclasses.replace(default, **value)
+        else:
+            values[f.name] = typed(f.name, hints[f.name], value)
     return dataclasses.replace(base, **values)
 
 
-def typed(name: str, default, value):
-    """A value of a checkpoint's run.json for the argument whose default is `default`: of its type (a list for
-    a tuple, an integer for a float; any value where the default is None), else a one-line error."""
-    like = lambda v, d: type(v) is type(d) or (type(d) is float and type(v) is int)  # noqa: E731
-    value = tuple(value) if isinstance(default, tuple) and isinstance(value, list) else value
-    items = zip(value, default[:1] * len(value)) if type(default) is type(value) is tuple else ()
-    if default is not None and not (like(value, default) and all(like(v, d) for v, d in items)):
+def fits(value, hint) -> bool:
+    """Whether a value read from JSON is one of the type annotation `hint` (a list for a tuple, an integer
+    for a float); annotations it does not know accept any value."""
+    origin, members = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(fits(value, m) for m in members)
+    if origin is typing.Literal:
+        return any(type(value) is type(m) and value == m for m in members)
+    if origin is tuple:
+        items = [members[0]] * len(value) if members[1:] == (Ellipsis,) else members
+        return isinstance(value, (list, tuple)) and len(items) == len(value) and all(map(fits, value, items))
+    if hint is type(None):
+        return value is None
+    if hint is float:
+        return type(value) in (int, float)
+    return type(value) is hint if isinstance(hint, type) and origin is None else True
+
+
+def typed(name: str, hint, value):
+    """A value of a checkpoint's run.json for the argument annotated `hint`, of that type (a tuple for a
+    list: every list an Args holds is a tuple; a float for an integer), else a one-line error."""
+    value = tuple(value) if isinstance(value, list) else value
+    if not fits(value, hint):
         fail(f"the checkpoint's run.json has --{name.replace('_', '-')} {shown(value)}, not the "
-             f"{type(default).__name__} it takes; resume from another checkpoint, or give the flag")
-    return float(value) if type(default) is float else value
+             f"{type_name(hint)} it takes; resume from another checkpoint, or give the flag")
+    return coerced(value, hint)
+
+
+def coerced(value, hint):
+    """`value`, which fits `hint`, as that type: a float where an integer was written for one."""
+    origin, members = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return value if type(value) in members else coerced(value, next(m for m in members if fits(value, m)))
+    if origin is tuple:
+        items = [members[0]] * len(value) if members[1:] == (Ellipsis,) else members
+        return tuple(map(coerced, value, items))
+    return float(value) if hint is float else value
+
+
+def type_name(hint) -> str:
+    """How an error names the type annotation `hint`: int, tuple, int or 't'."""
+    origin, members = typing.get_origin(hint), typing.get_args(hint)
+    if hint is type(None):
+        return "None"
+    if origin in (typing.Union, types.UnionType, typing.Literal):
+        return " or ".join(repr(m) if origin is typing.Literal else type_name(m) for m in members)
+    return getattr(origin or hint, "__name__", str(hint))
 
 
 TOY_VIDEO_WORLD = dict(  # the moving-shapes world (toy/video_world.py) on top of a file's TOY preset

@@ -57,13 +57,16 @@ CONFIGS = {
     "awm": ("awm.py", [], 0),
     "dgpo": ("dgpo.py", [], 0),
     "flow_dppo": ("flow_dppo.py", [], 0),
+    "dpo": ("dpo.py", [], 0),
+    "crd": ("crd.py", [], 0),
     "flow_grpo_guard": ("flow_grpo.py", ["--guard", "--beta", "0", "--clip-range", "2e-6"], 0),  # docs/flow_grpo.md
 }
 # The equal-compute comparison (--equal; results/compare/equal/): every file's preset, each run to at least the NFE
 # of 60 Flow-GRPO iterations, so that the cheaper methods are not cut off before they plateau. {config: seeds}: 10
 # for the rows of the efficiency claims (DiffusionNFT, AWM and MixGRPO-Flash against their baselines), else 5.
 EQUAL = {"flow_grpo": 10, "flow_grpo_coca": 5, "dancegrpo": 5, "mixgrpo": 10, "mixgrpo_flash": 10, "g2rpo_L123": 5,
-         "dense_calibrated": 5, "diffusion_nft": 10, "awm": 10, "dgpo": 10, "flow_dppo": 10, "flow_grpo_guard": 5}
+         "dense_calibrated": 5, "diffusion_nft": 10, "awm": 10, "dgpo": 10, "flow_dppo": 10, "flow_grpo_guard": 5,
+         "dpo": 5, "crd": 10}
 EQUAL_SETTINGS = {"budget_nfe": 60 * 3072, "eval_every": 10, "out": os.path.join(ROOT, "results", "compare", "equal"),
                   "runs_dir": os.path.join(ROOT, "runs", "compare_equal")}
 # The moving-shapes comparison (--video; results/compare/video/): the video toy (--model toy-video, 9 frames) trained
@@ -556,7 +559,8 @@ def paper_table(cv, runs, title, rows, claims):
 EQUAL_ROWS = {"flow_grpo": "Flow-GRPO", "flow_grpo_coca": "Flow-GRPO + CoCA", "dancegrpo": "DanceGRPO",
               "mixgrpo": "MixGRPO", "mixgrpo_flash": "MixGRPO-Flash", "g2rpo_L123": "G2RPO, Lambda {1, 2, 3}",
               "dense_calibrated": "DenseGRPO", "diffusion_nft": "DiffusionNFT", "awm": "AWM", "dgpo": "DGPO",
-              "flow_dppo": "Flow-DPPO", "flow_grpo_guard": "Flow-GRPO + GRPO-Guard"}
+              "flow_dppo": "Flow-DPPO", "flow_grpo_guard": "Flow-GRPO + GRPO-Guard", "dpo": "Online Diffusion-DPO",
+              "crd": "CRD"}
 EFFICIENCY = [  # the papers' efficiency claims: (what the paper finds, a, b, kind), judged at equal NFE and CPU time
     ("DiffusionNFT beats Flow-GRPO (its paper: 3x-25x faster)", "diffusion_nft", "flow_grpo", "better"),
     ("AWM beats Flow-GRPO (its paper: up to 24x faster)", "awm", "flow_grpo", "better"),
@@ -565,7 +569,8 @@ EFFICIENCY = [  # the papers' efficiency claims: (what the paper finds, a, b, ki
     ("DGPO beats Flow-GRPO (its paper: ~20x faster)", "dgpo", "flow_grpo", "better"),
     ("DGPO beats AWM", "dgpo", "awm", "better"),
     ("DGPO beats DiffusionNFT", "dgpo", "diffusion_nft", "better"),
-    ("Flow-DPPO beats Flow-GRPO", "flow_dppo", "flow_grpo", "better")]
+    ("Flow-DPPO beats Flow-GRPO", "flow_dppo", "flow_grpo", "better"),
+    ("CRD beats DiffusionNFT (its paper: fast convergence)", "crd", "diffusion_nft", "better")]
 
 
 def resampled_curve(runs, key, metric, *, config, absolute=False):

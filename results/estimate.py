@@ -1,7 +1,13 @@
 """Per-GPU peak memory and compute per iteration of the README's command lines, estimated on a CPU.
 
-    python results/estimate.py            # every README command (~20-30 min) -> results/estimate.md
-    python results/estimate.py --tiny     # the same code paths on tiny architectures (the tests run it)
+    python results/estimate.py            # every command of COMMANDS (hours) -> results/estimate.md
+    python results/estimate.py --only 3 5 --no-undo   # these rows (without the before/after table's re-runs)
+    python results/estimate.py --tiny --out /tmp/e.md # the same code paths on tiny architectures (the tests)
+
+Each row (a command, the reward models, an evaluation) is a JSON file under results/estimate/rows/ (the --out path
+without .md, then /rows), holding what made it and the commit it was measured at; a rerun reuses every file that
+still matches its row and computes the rest (a killed run loses the row in progress only), --fresh recomputes
+all, and the report is rebuilt from the files.
 
 Each command is parsed into its algorithm file's own `Args` (tyro). The real architectures (the FLUX.1-dev and
 SD3.5-M transformers, T5-XXL and CLIP text encoders, the VAE, the reward models: open_clip ViT-H-14 for HPS
@@ -40,10 +46,14 @@ use none: LoRA and FSDP2 compute in bf16 directly, as the files do on GPUs).
 import argparse
 import contextlib
 import copy
+import dataclasses
 import functools
 import importlib
+import json
 import math
 import os
+import re
+import subprocess
 import sys
 import time
 import types
@@ -54,13 +64,22 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "toy")]
 GIB = 2**30
 
-# The README's command lines: (name, script, arguments, GPUs). Single-GPU entry points come last.
+# The README's and docs/scale.md's command lines: (name, script, arguments, GPUs); `--only` takes their indices.
 LORA_1GPU = ("--prompts-per-iteration 1 --no-full-finetune --lora-rank 64 --lora-alpha 128 "
              "--learning-rate 1e-4 --eval-num 64")
 QWEN = "--model qwen-image --guidance 4 --lora-rank 64 --lora-alpha 128 --max-sequence-length 256"
 KLEIN9 = "--model flux2-klein-base-9b --guidance 4 --lora-rank 64 --lora-alpha 128"
 WAN = ("--guidance 4.5 --num-steps 20 --eval-steps 50 --max-sequence-length 512 --rewards pickscore "
        "--frame-reduce mean --text-cache runs/text-cache/wan --eval-num 64 ")  # Flow-GRPO's Wan steps, guidance
+# the README's shell variables of its newer families' commands (L, K, D, Z), less the data paths
+README_L = "--lora-rank 64 --lora-alpha 128 --group-size 16"
+README_K = ("--guidance 4 --resolution 384 --num-steps 8 --eval-steps 28 --prompts-per-iteration 48 "
+            "--max-sequence-length 512 --beta 0 --lora-rank 64 --lora-alpha 128 --group-size 16")
+README_D = ("--model flux2-dev --guidance 4 --num-steps 8 --eval-steps 28 --prompts-per-iteration 48 "
+            "--max-sequence-length 512 --beta 0 --lora-rank 32 --lora-alpha 64 --micro-batch 1 --group-size 16 "
+            "--text-cache /cache/flux2-dev")
+README_Z = ("--model z-image --guidance 4 --prompts-per-iteration 48 --max-sequence-length 512 --beta 0 "
+            "--lora-rank 64 --lora-alpha 128 --group-size 16")
 COMMANDS = [
     ("Flow-GRPO, SD3.5-M, PickScore (LoRA)", "flow_grpo", "", 8),
     ("Flow-GRPO, FLUX.1-dev, PickScore (LoRA)", "flow_grpo", "--model flux-dev --num-steps 6 --eval-steps 28 "
@@ -78,17 +97,19 @@ COMMANDS = [
      "--full-finetune --no-ema", 8),
     ("AWM, SD3.5-M, PickScore (LoRA)", "awm", "", 8),
     ("AWM, FLUX.1-dev, PickScore (LoRA)", "awm", "--model flux-dev --eval-steps 28 --guidance 3.5", 8),
-    # the newer families (models.py), LoRA r64 as verl's Qwen-Image recipe (docs/flow_grpo.md)
-    ("Flow-GRPO, Qwen-Image, OCR (LoRA, verl's recipe)", "flow_grpo", "--model qwen-image --guidance 4 "
-     "--lora-rank 64 --lora-alpha 128 --learning-rate 3e-4 --prompts-per-iteration 32 --group-size 16 "
-     "--max-sequence-length 256 --noise-level 1.2 --rewards ocr", 8),
+    # the newer families (models.py), LoRA r64 as verl's Qwen-Image recipe; the first and third: the README's lines
+    ("Flow-GRPO, Qwen-Image, OCR (LoRA, verl's recipe, 4 GPUs)", "flow_grpo", "--model qwen-image --guidance 4 "
+     + README_L + " --rewards ocr --prompts-per-iteration 32 --max-sequence-length 256 --noise-level 1.2 --beta 0 "
+     "--eval-steps 50", 4),
     ("DiffusionNFT, Qwen-Image, PickScore (LoRA)", "diffusion_nft", QWEN, 8),
     ("AWM, Qwen-Image, PickScore (LoRA)", "awm", QWEN, 8),
     ("Flow-GRPO, FLUX.2 [klein] base 9B, PickScore (LoRA)", "flow_grpo", KLEIN9, 8),
     ("DiffusionNFT, FLUX.2 [klein] base 9B, PickScore (LoRA)", "diffusion_nft", KLEIN9, 8),
     ("AWM, FLUX.2 [klein] base 9B, PickScore (LoRA)", "awm", KLEIN9, 8),
-    ("Flow-GRPO, Qwen-Image, PickScore (full FT)", "flow_grpo", "--model qwen-image --guidance 4 "
-     "--max-sequence-length 256 --full-finetune --no-ema", 8),
+    # 16 GPUs: Qwen-Image's two CFG forwards (one per half, as its pipeline) keep each FSDP2 block gathered from
+    # one half's backward to the other's when the gradient goes through both (docs/scale.md): 8 GPUs need 76.9-88.0
+    ("Flow-GRPO, Qwen-Image, PickScore (full FT, 16 GPUs, micro-batch 6)", "flow_grpo", "--model qwen-image "
+     "--guidance 4 --max-sequence-length 256 --full-finetune --no-ema --micro-batch 6", 16),
     # FLUX.2 [dev]'s 60 GiB of bf16 weights leave room for rank 32 and micro-batches of 2 (r64 and 12: 86 GiB)
     ("Flow-GRPO, FLUX.2 [dev], PickScore (LoRA r32, micro-batch 2, text cache)", "flow_grpo", "--model flux2-dev "
      "--guidance 4 --lora-rank 32 --lora-alpha 64 --micro-batch 2 --text-cache /cache/flux2-dev", 8),
@@ -106,7 +127,7 @@ COMMANDS = [
     ("1 GPU (24 GB): Flow-GRPO, FLUX.2 [klein] base 4B (LoRA, text cache)", "flow_grpo", "--model "
      "flux2-klein-base-4b --guidance 4 --lora-rank 32 --lora-alpha 64 --prompts-per-iteration 1 --group-size 8 "
      "--micro-batch 4 --eval-num 64 --text-cache /cache/klein4b", 1),
-    # the methods of 2026 (appended: the indices above are cited by results/estimate*.md)
+    # the methods of 2026
     ("DGPO, SD3.5-M, PickScore (LoRA)", "dgpo", "", 4),  # the official 4 GPUs
     ("DGPO, FLUX.1-dev, PickScore (LoRA)", "dgpo", "--model flux-dev --guidance 3.5 --eval-steps 28", 4),
     ("Flow-DPPO, SD3.5-M, PickScore (LoRA)", "flow_dppo", "", 8),
@@ -115,10 +136,44 @@ COMMANDS = [
      "--learning-rate 1e-4 --beta 0 --no-global-std --micro-batch 9", 8),
     ("1 GPU: DGPO, SD3.5-M (LoRA)", "dgpo", "--prompts-per-iteration 1 --eval-num 64", 1),
     ("1 GPU: Flow-DPPO, SD3.5-M (LoRA)", "flow_dppo", "--prompts-per-iteration 2 --eval-num 64", 1),
+    # the README's other commands for the newer families, from the public recipes (docs/models.md#recipes)
+    ("DiffusionNFT, Qwen-Image, OCR (LoRA, verl-omni's recipe, no CFG, 4 GPUs)", "diffusion_nft", "--model "
+     "qwen-image --guidance 1 " + README_L + " --rewards ocr --prompts-per-iteration 24 --max-sequence-length 256 "
+     "--nft-beta 0.1 --decay-type 2 --updates-per-iteration 2", 4),
+    ("Flow-GRPO, FLUX.2 [klein] base 9B, PickScore (LoRA, Flow-Factory's recipe, 384 px)", "flow_grpo",
+     "--model flux2-klein-base-9b " + README_K + " --noise-level 0.7", 8),
+    ("DiffusionNFT, FLUX.2 [klein] base 4B, PickScore (LoRA, Flow-Factory's recipe, 384 px)", "diffusion_nft",
+     "--model flux2-klein-base-4b " + README_K + " --nft-beta 0.1 --learning-rate 1e-4", 8),
+    ("AWM, FLUX.2 [klein] base 4B, PickScore (LoRA, Flow-Factory's recipe, 384 px)", "awm", "--model "
+     "flux2-klein-base-4b " + README_K + " --train-timesteps 4 --time-type discrete_wo_init --timestep-fraction 0.7 "
+     "--ema-beta 0.1 --kl-ema-decay 0.9 --adv-clip 1 --no-global-std --updates-per-iteration 2", 8),
+    ("Flow-GRPO, FLUX.2 [dev], CLIP + PickScore (LoRA r32, micro-batch 1, text cache, Flow-Factory's recipe)",
+     "flow_grpo", README_D + " --noise-level 1.0 --rewards clip pickscore --reward-weights 1 0.5", 8),
+    ("DiffusionNFT, FLUX.2 [dev], PickScore (LoRA r32, micro-batch 1, text cache, [klein]'s recipe)",
+     "diffusion_nft", README_D + " --nft-beta 0.1 --learning-rate 1e-4", 8),
+    ("AWM, FLUX.2 [dev], PickScore (LoRA r32, micro-batch 1, text cache, [klein]'s recipe)", "awm",
+     README_D + " --ema-beta 0.1 --kl-ema-decay 0.9 --adv-clip 1 --no-global-std", 8),
+    ("Flow-GRPO, Z-Image, PickScore (LoRA, Flow-Factory's recipe)", "flow_grpo", README_Z + " --noise-level 0.7",
+     8),
+    ("DiffusionNFT, Z-Image, PickScore (LoRA, Flow-Factory's recipe)", "diffusion_nft", README_Z
+     + " --nft-beta 0.1", 8),
+    ("AWM, Z-Image, PickScore (LoRA, [klein]'s recipe)", "awm", README_Z + " --ema-beta 0.1 --kl-ema-decay 0.9 "
+     "--adv-clip 1 --no-global-std", 8),
+    # online Diffusion-DPO and CRD (appended): SD3.5-M at the official settings, a 2026 family at a public recipe
+    ("Online Diffusion-DPO, SD3.5-M, PickScore (LoRA)", "dpo", "", 8),  # Flow-GRPO's config/dpo.py pickscore_sd3
+    # verl-omni's online DPO recipe (run_qwen_image_online_dpo_lora.sh): the policy samples, 35 steps at CFG 1
+    ("Online Diffusion-DPO, Qwen-Image, OCR (LoRA, verl-omni's recipe)", "dpo", "--model qwen-image --guidance 1 "
+     "--lora-rank 64 --lora-alpha 128 --group-size 16 --num-steps 35 --eval-steps 50 --prompts-per-iteration 32 "
+     "--max-sequence-length 256 --rollout-model policy --rewards ocr", 4),
+    ("CRD, SD3.5-M, OCR (LoRA)", "crd", "", 8),  # Flow-Factory's examples/crd/lora/sd3_5/default.yaml
+    # Flow-Factory's FLUX.2 [klein] base recipes (8 steps, 384 px, G 16) with CRD's example
+    ("CRD, FLUX.2 [klein] base 9B, OCR (LoRA)", "crd", "--model flux2-klein-base-9b --guidance 1 --kl-cfg 4 "
+     "--lora-rank 64 --lora-alpha 128 --resolution 384 --num-steps 8 --eval-steps 28 --group-size 16 "
+     "--micro-batch 16 --max-sequence-length 512", 8),
+    # text-to-video (docs/video.md, appended): Wan at the recipes' sizes, the UMT5-XXL embeddings from --text-cache
     ("1 GPU: Flow-GRPO, Wan2.1-T2V-1.3B, 240x416 x 33 frames (LoRA, text cache)", "flow_grpo",
      WAN + "--model wan2.1-t2v-1.3b --resolution 240 --width 416 --num-frames 33 --group-size 8 "
      "--prompts-per-iteration 1 --micro-batch 4", 1),
-    # text-to-video (docs/video.md): Wan at the recipes' sizes, the UMT5-XXL embeddings from --text-cache
     ("Flow-GRPO, Wan2.1-T2V-1.3B, 480x832 x 33 frames, PickScore per frame (LoRA)", "flow_grpo",
      WAN + "--model wan2.1-t2v-1.3b --resolution 480 --width 832 --num-frames 33 --group-size 4 "
      "--prompts-per-iteration 32 --micro-batch 4", 8),
@@ -757,13 +812,28 @@ def rollout_steps(mod, script: str, args) -> dict:
         last = mod.window_steps(args, 0)[-1]
         steps = last + mod.flash_points(args, last) if args.flash else T
         return {"latents": steps + 1, "log_probs": last + 1 if args.flash else T, "velocities": 0}
-    if script == "diffusion_nft":  # the ODE's latents only
+    if script in ("diffusion_nft", "dpo", "crd"):  # the rollout's latents only
         return {"latents": T + 1, "log_probs": 0, "velocities": 0}
     velocities = T if keeps_sampler_velocities(script, args) else 0
     means = T if script == "flow_dppo" or getattr(args, "guard", False) else 0  # each step's rollout mean
     return {"latents": T + 1 + means, "log_probs": T, "velocities": velocities}
 
 
+def alone_after(fn):
+    """`fn`, after which no process group is left initialized: an estimate's fake group of `world` ranks would
+    make every later run in this process (the tests') gather its tensors `world` times."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        import torch.distributed as dist
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+    return wrapper
+
+
+@alone_after
 def estimate(name, script, argv, world, *, tiny=False, undo=(), phases=None, count_flops=True):
     """One command's per-rank phases: {"peak": {phase: bytes}, "flops": {phase: FLOPs}, "bytes": resident
     parts, ...}. `undo`: changes of UNDO to revert (measured ones); `phases`: run only these; `count_flops`:
@@ -782,8 +852,9 @@ def estimate(name, script, argv, world, *, tiny=False, undo=(), phases=None, cou
             patched(common.import_sibling("rewards"), "check", lambda *a, **k: None):
         mod.check_args(args, world)
     kind, arch = model_architecture(args.model)
-    beta, nfe, cache = args.beta, mod.planned_nfe(args), bool(args.text_cache)
-    # a reference model for the KL, and for DGPO's DPO margin at any beta (unless --ema-reference)
+    beta, nfe, cache = getattr(args, "beta", 0.0), mod.planned_nfe(args), bool(args.text_cache)
+    # a reference model for the KL, and for DGPO's DPO margin at any beta (unless --ema-reference); dpo.py's
+    # reference is a copy of the trainable weights
     reference = beta > 0 or (script == "dgpo" and not args.ema_reference)
     P, G, T = args.prompts_per_iteration // world, args.group_size, args.num_steps
     mb, bf16, sharded = min(args.micro_batch, P * G), torch.bfloat16, args.full_finetune and world > 1
@@ -843,7 +914,8 @@ def estimate(name, script, argv, world, *, tiny=False, undo=(), phases=None, cou
     pipe.config = types.SimpleNamespace(is_distilled=args.model in DISTILLED)
     common.check_guidance(pipe, kind, args.guidance)
     mode = common.FAMILIES[kind]["guidance"](pipe)
-    cfg = (mode == "cfg" and args.guidance > 1) or (mode == "cfg0" and args.guidance > 0)  # negatives too
+    guidance = max(args.guidance, getattr(args, "kl_cfg", 0.0))  # crd.py encodes its KL reference's negatives
+    cfg = (mode == "cfg" and guidance > 1) or (mode == "cfg0" and guidance > 0)  # negatives too
     shape = common.latent_shape(pipe, kind, args.resolution, width=args.width, frames=args.num_frames)
     # the decoded samples: images [3, H, W] or frames [3, F, H, W] (a video's first latent frame is one frame)
     pixels = (3, *([(shape[1] - 1) * pipe.vae_scale_factor_temporal + 1] if len(shape) == 4 else []),
@@ -870,7 +942,9 @@ def estimate(name, script, argv, world, *, tiny=False, undo=(), phases=None, cou
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         ema = [p.detach().float().clone() for p in params] if args.ema else []
-        old = [p.detach().clone() for p in params] if script == "diffusion_nft" else []  # DiffusionNFT's
+        # DiffusionNFT's old policy, dpo.py's reference, crd.py's old and sampling snapshots
+        old = [p.detach().clone() for _ in range({"diffusion_nft": 1, "dpo": 1, "crd": 2}.get(script, 0))
+               for p in params]
         kl_ema = [p.detach().clone() for p in params] if script in ("awm", "dgpo") else []  # KL-EMA, EMA ref
         ema += kl_ema
         resident = [transformer, vae, optimizer, *loaded.values()] + ([ref] if ref is not None else []) + ema + old
@@ -975,6 +1049,8 @@ def estimate(name, script, argv, world, *, tiny=False, undo=(), phases=None, cou
                     step_buffers += [lat(N, bf16), lat(N), lat(N)]
                 elif script == "dgpo":  # v (x, x0 and x0_prev are kept)
                     step_buffers += [lat(N, bf16)]
+                elif script in ("dpo", "crd"):  # v, and the SDE's noise and mean (dpo) or v.float() (crd)
+                    step_buffers += [lat(N, bf16), lat(N)] + ([lat(N)] if script == "dpo" else [])
                 with common.swapped_in(params, old):
                     common.velocity(transformer, kind, x, sigmas[1], e, guidance=args.guidance)
                 del step_buffers
@@ -1019,9 +1095,39 @@ def estimate(name, script, argv, world, *, tiny=False, undo=(), phases=None, cou
                 loss = loss + beta * ((v - v_ref.float()) ** 2).mean()
             loss.backward()
 
+        def train_dpo():  # dpo.py's lines: the reference (swapped in), the policy, float64 errors, the DPO loss
+            e = {k: v for k, v in common.select(emb, rows[:mb]).items() if not k.startswith("neg_")}
+            x0, eps, t = lat(mb), lat(mb), torch.full((mb,), 0.5)
+            x_t = (1 - t.view(-1, 1, 1, 1)) * x0 + t.view(-1, 1, 1, 1) * eps
+            with torch.no_grad(), common.swapped_in(params, old):
+                v_ref = common.velocity(transformer, kind, x_t, t, e, guidance=args.guidance)
+            v = common.velocity(transformer, kind, x_t, t, e, guidance=args.guidance)
+            mse, mse_ref = (((w.double() - (eps - x0).double()) ** 2).mean(dim=(1, 2, 3)) for w in (v, v_ref))
+            w_diff, l_diff = (mse - mse_ref).chunk(2)
+            (-torch.nn.functional.logsigmoid(-0.5 * args.beta_dpo * (w_diff - l_diff)).mean()).backward()
+
+        def train_crd():  # crd.py's lines: the old model (swapped in), the policy, the guided reference, the loss
+            e, x0, eps, t = common.select(emb, rows[:mb]), lat(mb), lat(mb), torch.full((mb,), 0.5)
+            x_t = (1 - t.view(-1, 1, 1, 1)) * x0 + t.view(-1, 1, 1, 1) * eps
+            with torch.no_grad(), common.swapped_in(params, old):
+                v_old = common.velocity(transformer, kind, x_t, t, e, guidance=args.guidance).float()
+            v = common.velocity(transformer, kind, x_t, t, e, guidance=args.guidance).float()
+            weight = lambda w: (w.detach().double() - (eps - x0)).abs().mean((1, 2, 3), keepdim=True)  # noqa
+            r_theta = -((v - eps + x0) ** 2 / weight(v) - (v_old - eps + x0) ** 2 / weight(v_old)).mean((1, 2, 3))
+            group = torch.arange(mb) // args.group_size
+            loss = mod.centred_reward_loss(r_theta, torch.rand(mb), group, beta=args.crd_beta, loss=args.crd_loss,
+                                           temperature=args.weight_temp).mean()
+            if beta > 0:
+                with torch.no_grad(), common.as_reference(transformer, ref) as reference:
+                    v_ref = common.velocity(reference, kind, x_t, t, e, guidance=args.kl_cfg)
+                loss = loss + beta * ((v - v_ref.float()) ** 2).mean()
+            loss.backward()
+
         def train():
             if script == "diffusion_nft":
                 return train_nft()
+            if script in ("dpo", "crd"):
+                return train_dpo() if script == "dpo" else train_crd()
             j = 1  # a trained step: noise > 0
             adv, old_log_probs = torch.ones(mb if script != "g2rpo" else train_rows * G), torch.zeros(mb)
             e = common.select(emb, rows[:train_rows])
@@ -1258,12 +1364,13 @@ def estimate_evaluate(spec=EVALUATE, *, tiny=False):
 
 
 # ---------------------------------------------------------------- the report
-def report(estimates, path, seconds_taken, rewards_table=None, evaluation=None):
+def report(estimates, path, *, made: str, rewards_table=None, evaluation=None):
+    """Write the tables of `estimates` (estimate()'s dicts, or row files' read back) to `path`; `made`: the
+    paragraph that says how they were made."""
     gpus = ("A100", "H100")
     lines = [
-        "# Estimated per-GPU memory and compute of the README's command lines", "",
-        f"Made by `python results/estimate.py` ({seconds_taken / 60:.0f} minutes on a 2-core CPU; fake "
-        "tensors, see its docstring for what is and is not modelled). GiB per GPU: the resident state "
+        "# Estimated per-GPU memory and compute of the README's command lines", "", made, "",
+        "Fake tensors: see the estimator's docstring for what is and is not modelled. GiB per GPU: the resident state "
         "(trainable weights, Adam states, frozen weights, reference, VAE, reward models; this rank's shards "
         "under FSDP2) plus each phase's transient memory (activations, gathered weights, stored rollout "
         "tensors). The 80 GB cards need the peak at or below 70 GiB, which leaves room for the allocator's "
@@ -1295,7 +1402,7 @@ def report(estimates, path, seconds_taken, rewards_table=None, evaluation=None):
         published = PUBLISHED.get(arch, (None,) * 3)
         lines.append(f"| {arch} | " + " | ".join(f"{c / 1e9:.2f}" + (f" ({p / 1e9:g})" if p else "")
                                                for c, p in zip(counts, published)) + " |")
-    parts = list(estimates[0]["bytes"])
+    parts = list(estimates[0]["bytes"]) if estimates else []
     lines += ["", "## Resident state per GPU (GiB)", "", "| command | " + " | ".join(parts) + " |",
               "|---|" + "---|" * len(parts)]
     for e in estimates:
@@ -1305,14 +1412,15 @@ def report(estimates, path, seconds_taken, rewards_table=None, evaluation=None):
         "Measured: the phases re-run with the old behaviour; added: the part put back on top. Start-up: the "
         "float32 conversion before sharding. Rollout all-gathers: what one rank receives per iteration for "
         "the rollout's forwards (weights gathered once, in bf16, against float32 weights re-gathered at "
-        "every forward).", "",
+        "every forward). n/a: the change does not apply to the command; -: not re-measured (a row made with "
+        "`--no-undo`).", "",
         "| command | now | " + " | ".join(UNDO) + " | start-up before -> now | rollout all-gathers per "
         "iteration, before -> now |", "|---|---|" + "---|" * (len(UNDO) + 2)]
     for e in estimates:
         cells = []
         for change in UNDO:
             b = e.get("undone", {}).get(change)
-            cells.append("n/a" if b is None else f"{b:.1f}")
+            cells.append("-" if "undone" not in e else "n/a" if b is None else f"{b:.1f}")
         up = startup(e)
         calls = math.ceil(e["nfe"]["rollout"] * e["P"] / e["mb"])
         before, now = calls * 4 * e["n_params"] / GIB, 2 * e["n_params"] / GIB
@@ -1390,28 +1498,209 @@ def undone(name, script, argv, world, *, tiny, e):
     return out
 
 
+# ---------------------------------------------------------------- row files: a rerun computes only what is missing
+FORMAT = 1  # of a row file
+MAX_ROW_BYTES = 2**22  # a row file holds a few KiB; a larger file is not one
+REWARDS_ROW = "reward-models"
+
+
+def slug(name: str) -> str:
+    """A row file's name: the command's name in lower case, every run of other characters one '-'."""
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
+def row_paths(rows: str) -> dict:
+    """{command name, REWARDS_ROW, evaluation name: its row file under `rows`}; two names of one file stop."""
+    names = [c[0] for c in COMMANDS] + [REWARDS_ROW] + [spec["name"] for spec in EVALUATIONS]
+    paths = {n: os.path.join(rows, slug(n) + ".json") for n in names}
+    clash = [n for n in names if list(paths.values()).count(paths[n]) > 1]
+    if clash:
+        raise SystemExit(f"error: the names {clash} give one row file name; rename one of them")
+    return paths
+
+
+def plain(obj):
+    """obj as JSON reads it back: tuples as lists, a dict's keys as strings."""
+    return json.loads(json.dumps(obj))
+
+
+def fingerprints(*, tiny: bool, undo: bool) -> dict:
+    """{row name: what makes it}: a command's name, script, arguments, GPUs, tiny and whether the before/after
+    table was re-measured; the reward models' names and batch; an evaluation's spec."""
+    out = {name: {"table": "command", "name": name, "script": script, "argv": argv, "world": world, "tiny": tiny,
+                  "undo": undo} for name, script, argv, world in COMMANDS}
+    out[REWARDS_ROW] = plain({"table": "reward models", "rewards": REWARD_TABLE, "batch": REWARD_BATCH,
+                              "tiny": tiny})
+    for spec in EVALUATIONS:
+        out[spec["name"]] = plain({"table": "evaluation", "spec": spec, "tiny": tiny})
+    return out
+
+
+def serves(made: dict, wanted: dict) -> bool:
+    """Whether a row made with fingerprint `made` answers for `wanted`: equal, except that a row with the
+    before/after table's re-measurements serves a run without them."""
+    strip = {k: v for k, v in made.items() if k != "undo"}
+    return strip == {k: v for k, v in wanted.items() if k != "undo"} and made.get("undo", False) >= wanted.get(
+        "undo", False)
+
+
+def code_state() -> dict:
+    """{"commit": the checkout's HEAD, "dirty": whether a tracked .py file differs from it}; None, None outside
+    a git checkout."""
+    def git(*args):
+        return subprocess.run(["git", "-C", ROOT, *args], capture_output=True, text=True, check=True,
+                              timeout=60).stdout.strip()
+    try:
+        return {"commit": git("rev-parse", "HEAD"),
+                "dirty": bool(git("status", "--porcelain", "--untracked-files=no", "--", "*.py"))}
+    except (OSError, subprocess.SubprocessError):
+        return {"commit": None, "dirty": None}
+
+
+def read_row(path: str, wanted: dict, *, quiet: bool = False):
+    """The row file at `path` if it serves `wanted` (see serves), else None: absent, unreadable, cut short,
+    not a row file, or made by another command or setting (said on stderr unless `quiet`)."""
+    def why(reason):
+        if not quiet:
+            print(f"{path}: {reason}; recomputed", file=sys.stderr)
+
+    try:
+        if os.path.getsize(path) > MAX_ROW_BYTES:
+            return why(f"larger than {MAX_ROW_BYTES} bytes, not a row file")
+        with open(path, encoding="utf-8") as f:
+            row = json.load(f)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, RecursionError) as err:  # a truncated file: a JSONDecodeError
+        return why(f"unreadable ({type(err).__name__}: {str(err)[:100]})")
+    keys = {"fingerprint": dict, "estimate": dict, "seconds": (int, float)}
+    if not isinstance(row, dict) or row.get("format") != FORMAT or not all(
+            isinstance(row.get(k), t) for k, t in keys.items()):
+        return why(f"not a row file of format {FORMAT}")
+    if not serves(row["fingerprint"], wanted):
+        made = row["fingerprint"]
+        return why("made with another " + ", ".join(sorted(k for k in made.keys() | wanted.keys()
+                                                           if made.get(k) != wanted.get(k))))
+    return row
+
+
+def write_row(path: str, fingerprint: dict, estimate: dict, *, seconds: float, code: dict):
+    """The row file, written whole or not at all (a temporary file renamed over it)."""
+    row = {"format": FORMAT, "fingerprint": fingerprint, "commit": code["commit"], "dirty": code["dirty"],
+           "seconds": round(seconds, 1), "estimate": plain(estimate)}
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(row, f, indent=1)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as err:
+        raise SystemExit(f"error: cannot write the row file {path}: {err}") from None
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def to_row(e: dict) -> dict:
+    """A command's estimate as JSON: its Args a plain dict (from_row reads them back as a namespace)."""
+    return {**e, "args": dataclasses.asdict(e["args"])}
+
+
+def from_row(e: dict) -> dict:
+    return {**e, "args": types.SimpleNamespace(**e["args"])}
+
+
+def made_paragraph(rows: dict, missing: list, rows_dir: str) -> str:
+    """How the report was made: the row files, the minutes they took, the commits they were measured at."""
+    rows_dir = os.path.abspath(rows_dir)
+    where = os.path.relpath(rows_dir, ROOT) if rows_dir.startswith(ROOT + os.sep) else rows_dir
+    minutes = sum(r["seconds"] for r in rows.values()) / 60
+    text = (f"Made by `python results/estimate.py` from its row files in `{where}/`: one JSON file per command (and "
+            "per table below), holding what made it (the command's name, script, arguments and GPUs, whether the "
+            "before/after table was re-measured) and the commit it was measured at. A rerun computes only the rows "
+            "that are missing, cut short or made otherwise (`--only` picks commands by their index in "
+            "`COMMANDS`, `--fresh` recomputes every row) and rebuilds this report from the files. Measuring the "
+            f"rows took {minutes:.0f} minutes of a 2-core CPU shared with other jobs.")
+    commits = {}
+    for name, r in rows.items():
+        label = (r["commit"] or "outside git")[:12] + (" with uncommitted changes" if r["dirty"] else "")
+        commits.setdefault(label, []).append(name)
+    if not commits:
+        text += " No row has been estimated yet."
+    elif len(commits) == 1:
+        text += f" Every row was measured at commit {next(iter(commits))}."
+    else:
+        most = max(commits, key=lambda c: len(commits[c]))
+        others = "; ".join(f"at {c}: " + ", ".join(names) for c, names in commits.items() if c != most)
+        text += f" Rows were measured at {len(commits)} commits: at {most} every row but these; {others}."
+    if missing:
+        text += " Not estimated yet: " + ", ".join(missing) + "."
+    return text
+
+
+def write_report(rows_dir: str, out: str, *, tiny: bool):
+    """The report of every row file under `rows_dir` that serves COMMANDS' rows, the reward models and the
+    evaluations as they are now (with or without the before/after table's re-measurements)."""
+    paths, wanted = row_paths(rows_dir), fingerprints(tiny=tiny, undo=False)
+    rows = {n: r for n in paths if (r := read_row(paths[n], wanted[n], quiet=True)) is not None}
+    missing = [n for n in paths if n not in rows]
+    estimates = [from_row(rows[c[0]]["estimate"]) for c in COMMANDS if c[0] in rows]
+    evaluation = [rows[s["name"]]["estimate"] for s in EVALUATIONS if s["name"] in rows]
+    table = rows[REWARDS_ROW]["estimate"] if REWARDS_ROW in rows else None
+    report(estimates, out, made=made_paragraph(rows, missing, rows_dir), rewards_table=table,
+           evaluation=evaluation)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tiny", action="store_true", help="tiny architectures, the same code paths (seconds)")
     p.add_argument("--only", nargs="*", type=int, default=None, help="indices of COMMANDS to run")
     p.add_argument("--no-undo", action="store_true", help="skip the before/after table's re-measurements")
-    p.add_argument("--out", default=os.path.join(ROOT, "results", "estimate.md"))
+    p.add_argument("--fresh", action="store_true", help="recompute every row, reusing no row file")
+    p.add_argument("--out", default=None, help="the report (default: results/estimate.md; --tiny: required)")
+    p.add_argument("--rows", default=None, help="the row files' directory (default: the --out path without .md, "
+                   "then /rows: results/estimate/rows)")
     a = p.parse_args()
-    t0, estimates = time.time(), []
-    for i, (name, script, argv, world) in enumerate(COMMANDS):
-        if a.only is not None and i not in a.only:
-            continue
+    bad = [i for i in a.only or () if not 0 <= i < len(COMMANDS)]
+    if bad:
+        raise SystemExit(f"error: --only {bad[0]}: COMMANDS has indices 0 to {len(COMMANDS) - 1}")
+    if a.tiny and a.out is None:
+        raise SystemExit("error: --tiny needs --out (results/estimate.md and its rows are the real sizes')")
+    a.out = a.out or os.path.join(ROOT, "results", "estimate.md")
+    rows = a.rows or os.path.join(os.path.splitext(a.out)[0], "rows")
+    paths, wanted = row_paths(rows), fingerprints(tiny=a.tiny, undo=not a.no_undo)
+    code, t0 = code_state(), time.time()
+
+    def compute(name, make):
+        """The row's estimate from its file if that serves, else made now and written at once."""
+        if not a.fresh and read_row(paths[name], wanted[name]) is not None:
+            print(f"{name}: reused {paths[name]}", flush=True)
+            return
+        t = time.time()
+        e, summary = make()
+        write_row(paths[name], wanted[name], e, seconds=time.time() - t, code=code)
+        print(f"{name}: {summary} ({time.time() - t:.0f} s, {time.time() - t0:.0f} s in all)", flush=True)
+
+    def command(name, script, argv, world):
         e = estimate(name, script, argv, world, tiny=a.tiny, count_flops=not a.tiny)  # tiny: its code paths
         if not a.no_undo:
             e["undone"] = undone(name, script, argv, world, tiny=a.tiny, e=e)
-        estimates.append(e)
-        print(f"{name}: peak {peak(e):.1f} GiB ({peak_phase(e)}, {time.time() - t0:.0f} s)", flush=True)
-    table = reward_models(tiny=a.tiny)
-    print(f"reward models ({time.time() - t0:.0f} s)", flush=True)
-    evaluation = [estimate_evaluate(spec, tiny=a.tiny) for spec in EVALUATIONS]
-    for ev in evaluation:
-        print(f"{ev['name']}: peak {max(ev['peak'].values()) / GIB:.1f} GiB ({time.time() - t0:.0f} s)", flush=True)
-    report(estimates, a.out, time.time() - t0, table, evaluation)
+        return to_row(e), f"peak {peak(e):.1f} GiB ({peak_phase(e)})"
+
+    for i, c in enumerate(COMMANDS):
+        if a.only is None or i in a.only:
+            compute(c[0], functools.partial(command, *c))
+    compute(REWARDS_ROW, lambda: (reward_models(tiny=a.tiny), "done"))
+    for spec in EVALUATIONS:
+        def evaluation(spec=spec):
+            ev = estimate_evaluate(spec, tiny=a.tiny)
+            return ev, f"peak {max(ev['peak'].values()) / GIB:.1f} GiB"
+        compute(spec["name"], evaluation)
+    write_report(rows, a.out, tiny=a.tiny)
+    print(f"{a.out}: written from {rows}", flush=True)
 
 
 if __name__ == "__main__":

@@ -58,7 +58,7 @@ Time on one H100, from results/estimate.md's seconds per iteration at 40% MFU pl
   Before each configuration its estimate x 1.15 + 10 s is checked against --budget (460 s): one that would end
   later is skipped and reported as such (a model none of whose rows fits is not even built); run the rest in
   a second call with --only. The families come after FLUX.1-dev and are skipped so: run them with --only
-  families. results/estimate.md has no rows for them yet; ROUGH_SECONDS holds rough H100 seconds,
+  families. results/estimate.md has no rows for FAMILY_CHECKS; ROUGH_SECONDS holds rough H100 seconds,
   estimate.md's 1-GPU rows scaled by transformer parameters x tokens x samples x NFE (Flow-GRPO Qwen-Image
   from SD3.5-M's 22 s: 8.2x the parameters, 1/6 the samples: ~30 s; DiffusionNFT FLUX.2 [dev] from
   FLUX.1-dev's 51 s: 2.7x, 1/3 the NFE, 0.75x the tokens: ~35 s; Flow-GRPO [klein] base 4B ~6 s; AWM
@@ -528,7 +528,8 @@ def estimated(commands, *, tiny: bool, paths: list) -> dict:
     if tiny and missing:
         paths = [*paths, os.path.join(tempfile.mkdtemp(), "estimate.md")]
         with contextlib.redirect_stdout(sys.stderr):
-            estimate.report([estimate.estimate(*c, tiny=True) for c in missing], paths[-1], 0)
+            estimate.report([estimate.estimate(*c, tiny=True) for c in missing], paths[-1],
+                            made="A tiny estimate of the commands the estimate files lack (gpu_check.py --tiny).")
     out = {}
     for path in [p for p in paths if os.path.isfile(p)]:
         for name, row in estimate.read_table(path).items():
@@ -567,7 +568,7 @@ def main():
     p.add_argument("--tiny", action="store_true", help="tiny architectures on the CPU (the tests run this)")
     p.add_argument("--only", nargs="*", default=None, help="configuration keys or parts of their names")
     p.add_argument("--out", default=None, help="also write the JSON here")
-    p.add_argument("--estimate", default=None, help="the estimate.md to compare with (default: results/estimate*.md;"
+    p.add_argument("--estimate", default=None, help="the estimate.md to compare with (default: results/estimate.md;"
                    " --tiny: a tiny estimate made now of the commands it lacks)")
     p.add_argument("--budget", type=float, default=460.0, help="skip a configuration estimated to end later")
     p.add_argument("--dtype", choices=["bf16", "fp32"], default=None,
@@ -584,7 +585,7 @@ def main():
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32,
              None: torch.float32 if a.tiny else torch.bfloat16}[a.dtype]
     commands = configurations(a.only)
-    results_md = [os.path.join(ROOT, "results", f"estimate{x}.md") for x in ("", "_families", "_2026")]
+    results_md = [os.path.join(ROOT, "results", "estimate.md")]
     figures = estimated(commands, tiny=a.tiny, paths=[a.estimate] if a.estimate else [] if a.tiny else results_md)
     tmp = tempfile.mkdtemp(prefix="gpu_check-")
     prompts = os.path.join(tmp, "prompts.txt")

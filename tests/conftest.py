@@ -24,3 +24,26 @@ def tiny(tmp_path_factory):
 def pytest_collection_modifyitems(items):
     """The learning runs first: they are the longest file, and one worker runs them while the other runs the rest."""
     items.sort(key=lambda item: "test_learning.py" not in item.nodeid)
+
+
+CPU_LOG = os.environ.get("PYTEST_CPU_LOG")  # a file: one JSON line per test phase, its CPU seconds (docs/contributing.md)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """With $PYTEST_CPU_LOG set: the CPU seconds of each test (setup, call and teardown), this process's and those
+    of the processes it waited for, which a busy machine inflates far less than its wall-clock seconds."""
+    if not CPU_LOG:
+        yield
+        return
+    import json
+    import resource
+
+    def cpu():
+        own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+    start = cpu()
+    yield
+    with open(CPU_LOG, "a") as f:
+        f.write(json.dumps({"test": item.nodeid, "cpu_seconds": round(cpu() - start, 2)}) + "\n")

@@ -7,8 +7,10 @@ weights after one common.optimizer_step (AdamW, norm clipping) with it, for each
 
 A MODE is a comma-separated set of flags, or "plain": checkpointing (activation checkpointing), bf16, lora, awm
 (awm.py's loss instead: the PPO-clipped ratio of flow-matching log-probs, the KL to the reference and to a KL-EMA
-weight set swapped in with common.swapped_in: DTensor shards under FSDP2), wan (the tiny Wan2.1 of
-toy/tiny_video.py instead of Flux: video latents [4, 3, 8, 8], true CFG against a negative embedding).
+weight set swapped in with common.swapped_in: DTensor shards under FSDP2), dpo (dpo.py's: a pair per rank, its
+reference a weight set swapped in), crd (crd.py's: a group of 2 per rank centred on its own, the old model swapped
+in, the reward-adaptive KL to the guided reference), wan (the tiny Wan2.1 of toy/tiny_video.py instead of Flux:
+video latents [4, 3, 8, 8], true CFG against a negative embedding).
 
 Writes {MODE: {"grads": {name: full gradient}, "before" / "updated": {name: trainable weight before / after the
 step}}} (rank 0); tests/test_memory.py compares the files.
@@ -21,6 +23,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "toy")]
 from awm import awm_log_prob  # noqa: E402
+from crd import centred_reward_loss  # noqa: E402
 from common import (as_reference, close_distributed, make_trainable, optimizer_step, select, setup_distributed,  # noqa: E402
                     shifted_sigmas, swapped_in, velocity)
 from flow_grpo import sde_step  # noqa: E402
@@ -60,7 +63,31 @@ def one_step(flags: set, rank: int, world: int) -> dict:
     advantages, sigmas = torch.randn(n, generator=g), shifted_sigmas(4, shift=3.0)
     rows = torch.arange(rank * n // world, (rank + 1) * n // world)  # this rank's half (or all of it)
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp is not None and world == 1)
-    if "awm" in flags:  # awm.py's order: the KL-EMA's forward (weights swapped in place) before the policy's
+    if "dpo" in flags or "crd" in flags:  # rows 2k, 2k + 1: a pair (winner, loser) or a group of 2 on each rank
+        copy = [p.detach().clone().mul_(0.9) for p in params.values()]  # the reference (dpo), the old model (crd)
+        t = torch.tensor([0.7, 0.4, 0.6, 0.3])[rows]
+        x0, eps = x[rows], x_next[rows] if "crd" in flags else x_next[rows // 2 * 2]  # a pair shares its noise
+        x_t, e = (1 - t.view(-1, 1, 1, 1)) * x0 + t.view(-1, 1, 1, 1) * eps, select(emb, rows)
+        with torch.no_grad(), autocast, swapped_in(list(params.values()), copy):
+            v_copy = velocity(transformer, "flux", x_t, t, e, guidance=3.5)
+        with autocast:
+            v = velocity(transformer, "flux", x_t, t, e, guidance=3.5)
+        if "dpo" in flags:  # dpo.py's loss
+            mse, mse_ref = (((w.double() - (eps - x0).double()) ** 2).mean(dim=(1, 2, 3)) for w in (v, v_copy))
+            d = mse - mse_ref
+            loss = -torch.nn.functional.logsigmoid(-0.5 * 30.0 * (d[0::2] - d[1::2])).mean()  # winners, losers
+        else:  # crd.py's: the implicit reward's adaptive errors, the centred loss, the reward-adaptive KL
+            target, v, v_copy = eps - x0, v.float(), v_copy.float()
+            weight = lambda w: (w.detach().double() - target).abs().mean((1, 2, 3), keepdim=True)  # noqa: E731
+            r_theta = -((v - target) ** 2 / weight(v) - (v_copy - target) ** 2 / weight(v_copy)).mean((1, 2, 3))
+            r = torch.sigmoid(advantages[rows])
+            loss = centred_reward_loss(r_theta, r, torch.arange(len(rows)) // 2, beta=1.0, loss="mse",
+                                       temperature=-1.0).mean() * 5.0
+            with torch.no_grad(), as_reference(transformer, ref) as reference:
+                v_ref = velocity(reference, "flux", x_t, t, e, guidance=4.5)
+            low = 1e-4 / 0.1
+            loss = loss + 0.1 * ((low + r * (1 - low)) * ((v - v_ref.float()) ** 2).mean((1, 2, 3))).mean()
+    elif "awm" in flags:  # awm.py's order: the KL-EMA's forward (weights swapped in place) before the policy's
         kl_ema = [p.detach().clone().mul_(0.9) for p in params.values()]
         t, x0, eps = 0.6, x[rows], x_next[rows]
         x_t, e = (1 - t) * x0 + t * eps, select(emb, rows)

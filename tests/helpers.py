@@ -40,18 +40,66 @@ def tiny_flags(model, prompts, out, **over):
 def run_script(script, args, nproc=1, check=True, timeout=600, fresh=False):
     """Run a script of this project with `args` and return its (returncode, stdout, stderr): in this process, where
     torch and diffusers are already imported (one thread, warnings off, as a new process would run it), or in new
-    processes where a test needs them: `nproc` > 1 (torchrun) or `fresh` (a new interpreter, e.g. to be killed)."""
+    processes where a test needs them: `nproc` > 1 (run_ranks) or `fresh` (a new interpreter, e.g. to be killed)."""
     if nproc == 1 and not fresh:
         proc = run_here(script, args)
     else:
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", TOKENIZERS_PARALLELISM="false")
-        launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run",
-                                                        "--standalone", f"--nproc_per_node={nproc}"]
-        proc = subprocess.run(launcher + [os.path.join(ROOT, script)] + list(args), capture_output=True, text=True,
-                              cwd=ROOT, env=env, timeout=timeout)
+        cmd = [sys.executable, os.path.join(ROOT, script), *map(str, args)]
+        proc = run_ranks(cmd, nproc, env=env, timeout=timeout) if nproc > 1 else \
+            subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"{script} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     return proc
+
+
+def run_ranks(cmd, nproc, *, env, timeout):
+    """`cmd` as `torchrun --standalone --nproc_per_node nproc` starts it: one process per rank with RANK,
+    LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set, and, when one rank fails, the others stopped; without
+    torchrun's own launcher process (an interpreter that imports torch, 2 CPU-s a test). The ranks' stdout and
+    stderr are joined in rank order; the return code is the first failed rank's, else 0."""
+    import socket
+    import tempfile
+    import time
+
+    with socket.socket() as s:  # a free port for the group's store
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs, files = [], []
+    for rank in range(nproc):
+        rank_env = dict(env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
+                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+        files.append((out, err))
+        procs.append(subprocess.Popen(cmd, stdout=out, stderr=err, text=True, cwd=ROOT, env=rank_env))
+    deadline, code = time.time() + timeout, 0
+    try:
+        while None in [p.poll() for p in procs]:  # every rank polled
+            failed = [p.returncode for p in procs if p.returncode not in (None, 0)]
+            if failed or time.time() > deadline:
+                code = failed[0] if failed else code
+                break
+            time.sleep(0.05)
+        timed_out = time.time() > deadline and any(p.poll() is None for p in procs)
+    finally:
+        for p in procs:  # the others of a failed rank would wait at its next collective: stopped, as torchrun does
+            if p.poll() is None:
+                p.terminate()
+        for p in procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+    if timed_out:
+        raise subprocess.TimeoutExpired(cmd, timeout)
+    code = code or next((p.returncode for p in procs if p.returncode != 0), 0)
+    text = []
+    for out, err in files:
+        out.seek(0), err.seek(0)
+        text.append((out.read(), err.read()))
+        out.close(), err.close()
+    return subprocess.CompletedProcess(cmd, code, "".join(o for o, _ in text), "".join(e for _, e in text))
 
 
 HERE = threading.Lock()  # one script at a time in this process (sys.argv, the cwd, stdout are global)
@@ -67,6 +115,7 @@ def run_here(script, args):
     import warnings
 
     import torch
+    assert not torch.distributed.is_initialized(), "an earlier test left a process group initialized in this process"
     out, err, code = io.StringIO(), io.StringIO(), 0
     argv, cwd, threads = sys.argv, os.getcwd(), torch.get_num_threads()
     path = os.path.join(ROOT, script)
@@ -139,6 +188,7 @@ def run_in_process(script, args, monkeypatch, wrap=None):
     assert source.count(marker) == 1
     hooks = "".join(f"{name} = __wrap__[{name!r}]({name})\n" for name in wrap or {})
     monkeypatch.setattr(sys, "argv", [script] + [str(a) for a in args])
+    assert not torch.distributed.is_initialized(), "an earlier test left a process group initialized in this process"
     torch.set_num_threads(1)
     try:
         exec(compile(source.replace(marker, hooks + marker), path, "exec"),

@@ -1,9 +1,12 @@
 """results/estimate.py on tiny architectures: the same code paths as the full estimate (fake tensors, FSDP2
 over a fake process group, the algorithm files' own Args and closed-form NFE), in seconds, so that it cannot
 rot; and results/gpu_check.py's whole-iteration runs through the algorithm files, on tiny models (CPU)."""
+import copy
+import dataclasses
 import json
 import math
 import os
+import re
 import sys
 
 import pytest
@@ -86,10 +89,31 @@ def test_new_algorithms_rows():
     assert dance["bytes"]["reward models (bf16 towers)"] > 0  # HPS + CLIP
 
 
-def test_reward_models_and_evaluation_rows():
+def test_dpo_and_crd_rows():
+    """dpo.py holds its reference as a copy of the trainable weights (no frozen model), crd.py its old and sampling
+    snapshots; CRD's prompts carry the negatives of its CFG-guided KL reference at guidance 1; the NFE are the
+    files'."""
+    fast = dict(tiny=True, phases=("training step",), count_flops=False)
+    dpo = estimate.estimate(*command("Online Diffusion-DPO, SD3.5-M"), **fast)
+    crd = estimate.estimate(*command("CRD, SD3.5-M"), **fast)
+    for e, copies in ((dpo, 1), (crd, 2)):
+        b = e["bytes"]
+        assert b["old policy (float32)"] == copies * b["trainable (float32)"] > 0
+        assert e["nfe"] == __import__(e["script"]).planned_nfe(e["args"])
+    assert dpo["bytes"]["reference (bf16)"] == 0 and crd["bytes"]["reference (bf16)"] == 0  # LoRA: adapters off
+    assert crd["args"].guidance == 1.0 and crd["cfg"] and dpo["cfg"]
+
+
+@pytest.fixture(scope="module")
+def tiny_tables():
+    """The reward models' table and the evaluations' rows on tiny architectures."""
+    return estimate.reward_models(tiny=True), [estimate.estimate_evaluate(s, tiny=True) for s in estimate.EVALUATIONS]
+
+
+def test_reward_models_and_evaluation_rows(tiny_tables):
     """Float32 reward models hold ~2x the bytes of bf16 towers with float32 heads (ImageReward included); the
     evaluate.py row scores with float32 rewards and counts the ODE's NFE."""
-    table = estimate.reward_models(tiny=True)
+    table = tiny_tables[0]
     assert set(table) == set(estimate.REWARD_TABLE)
     for name, r in table.items():
         bf16, fp32 = r["bf16"], r["float32"]
@@ -98,36 +122,63 @@ def test_reward_models_and_evaluation_rows():
     ir = table["imagereward"]
     heads = 4 * sum(p.numel() for p in estimate.reward_model("imagereward", tiny=True)().heads.parameters())
     assert ir["float32"]["resident"] == pytest.approx(2 * (ir["bf16"]["resident"] - heads) + heads, rel=0.01)
-    ev, spec = estimate.estimate_evaluate(tiny=True), estimate.EVALUATE
+    ev, spec = tiny_tables[1][estimate.EVALUATIONS.index(estimate.EVALUATE)], estimate.EVALUATE
     assert ev["nfe"] == spec["prompts"] // spec["world"] * spec["steps"]
     fp32 = sum(table[r]["float32"]["resident"] for r in spec["rewards"])
     assert ev["bytes"]["reward models (float32)"] == fp32
     assert set(ev["peak"]) == {"encode", "ODE", "decode", "rewards"} and ev["total_flops"] > 0
 
 
+def covering() -> list[int]:
+    """Indices of COMMANDS whose tiny runs take every code path the whole list takes: each single-GPU row
+    (gpu_check compares its measurements with them), then, greedily, rows until every file, family, file and
+    family with LoRA and with full fine-tuning, one GPU and several, and the text cache appear; the report of
+    all rows is test_the_committed_report_is_its_row_files'."""
+    import importlib
+
+    import tyro
+
+    def features(script, argv, world):
+        a = tyro.cli(importlib.import_module(script).Args, args=argv.split())
+        arch, full = estimate.ARCHITECTURE.get(a.model, a.model), a.full_finetune
+        return {("file", script), ("family", arch), ("family", arch, full), ("file", script, full),
+                ("one GPU", world == 1, full), ("text cache", a.text_cache is not None)}
+    wanted = [features(*c[1:]) for c in estimate.COMMANDS]
+    chosen = [i for i, c in enumerate(estimate.COMMANDS) if c[3] == 1]
+    left = set().union(*wanted) - set().union(*(wanted[i] for i in chosen))
+    while left:
+        best = max(range(len(wanted)), key=lambda i: len(wanted[i] & left))
+        chosen.append(best)
+        left -= wanted[best]
+    return sorted(chosen)
+
+
 @pytest.fixture(scope="module")
 def tiny_report(tmp_path_factory):
-    """results/estimate.py --tiny's report (gpu_check's test compares with it too)."""
+    """results/estimate.py --tiny's report of the covering rows (gpu_check's test compares with it too)."""
     out = tmp_path_factory.mktemp("estimate") / "estimate.md"
-    proc = run_script("results/estimate.py", ["--tiny", "--no-undo", "--out", str(out)], check=False)
+    only = [str(i) for i in covering()]
+    proc = run_script("results/estimate.py", ["--tiny", "--no-undo", "--out", str(out), "--only", *only],
+                      check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out
 
 
 @pytest.mark.slow
-def test_estimate_script_writes_every_command(tiny_report):
-    """Every command, reward model and evaluation in the report's tables (the re-measurements of the before/after
-    table, estimate.undone, are test_undoing_a_change_never_lowers_the_peak's)."""
-    out = tiny_report
+def test_estimate_script_writes_every_code_path(tiny_report):
+    """Every covering command, reward model and evaluation in the report's tables (the re-measurements of the
+    before/after table, estimate.undone, are test_undoing_a_change_never_lowers_the_peak's)."""
+    out, names = tiny_report, [estimate.COMMANDS[i][0] for i in covering()]
+    assert len(names) < len(estimate.COMMANDS) / 2
     text = out.read_text()
-    for name, *_ in estimate.COMMANDS:
+    for name in names:
         assert text.count(f"| {name} |") == 3, name  # the peak, the resident and the before/after tables
     for name in estimate.REWARD_TABLE:
         assert text.count(f"| {name} |") == 1, name
     for spec in estimate.EVALUATIONS:
         assert text.count(f"| {spec['name']} |") == 1
     rows = estimate.read_table(str(out))
-    assert set(rows) == {c[0] for c in estimate.COMMANDS}
+    assert set(rows) == set(names)
     assert all(set(estimate.PHASES) <= set(r) for r in rows.values())
 
 
@@ -171,7 +222,7 @@ FAMILY_COMMANDS = [("qwen-image", "flow_grpo", "--model qwen-image --guidance 4 
                    ("flux2-dev", "awm", "--model flux2-dev --guidance 4"),
                    ("flux2-klein-base-4b", "diffusion_nft", "--model flux2-klein-base-4b --guidance 4"),
                    ("z-image", "flow_grpo", "--model z-image --guidance 4")]
-# Qwen-Image and [klein]: COMMANDS' rows, which test_estimate_script_writes_every_command runs as well
+# Qwen-Image and [klein]: COMMANDS' rows, which test_estimate_script_writes_every_code_path runs as well
 CHECKED = [c for c in FAMILY_COMMANDS if c[0] in ("flux2-dev", "z-image")]
 
 
@@ -235,3 +286,120 @@ def test_only_models_a_third_of_the_card_stay_gathered_over_a_rollout():
     for arch, fits in (("flux", True), ("sd3", True), ("qwen-image", False), ("flux2-dev", False)):
         assert (2 * estimate.parameter_counts(arch)[0] <= share) == fits, arch
     assert common.fits_gathered(torch.nn.Linear(4, 4))  # on a CPU: always
+
+
+# ---------------------------------------------------------------- the row files and the committed report
+def test_rows_are_reused_recomputed_or_rebuilt(tmp_path, monkeypatch, capsys, tiny_tables):
+    """A rerun reuses the row file its command made and computes no estimate; a file made by another command
+    or setting, one cut short, and every file under --fresh are recomputed; the report is rebuilt from the files
+    and equals the one the live estimate gives."""
+    index = next(i for i, c in enumerate(estimate.COMMANDS) if c[0] == "1 GPU: AWM, SD3.5-M (LoRA)")  # seconds
+    name, made, real = estimate.COMMANDS[index][0], [], estimate.estimate
+
+    def once(*args, **kwargs):  # the estimate made once, then handed out again (the test is of the row files)
+        made.append(made[0] if made else real(*args, **kwargs))
+        return copy.deepcopy(made[-1])
+    monkeypatch.setattr(estimate, "estimate", once)
+    rewards, evaluations = tiny_tables
+    monkeypatch.setattr(estimate, "reward_models", lambda **k: copy.deepcopy(rewards))
+    monkeypatch.setattr(estimate, "estimate_evaluate",
+                        lambda spec, **k: copy.deepcopy(evaluations[estimate.EVALUATIONS.index(spec)]))
+    out, path = tmp_path / "estimate.md", tmp_path / "estimate" / "rows" / (estimate.slug(name) + ".json")
+
+    def run(*extra):
+        argv = ["--tiny", "--no-undo", "--only", str(index), "--out", str(out), *extra]
+        monkeypatch.setattr(sys, "argv", ["estimate.py", *argv])
+        calls = len(made)
+        estimate.main()
+        return [e["name"] for e in made[calls:]], capsys.readouterr()
+
+    assert run()[0] == [name] and path.is_file()
+    first, live = out.read_text(), made[0]
+    assert f"| {name} |" in first and "Not estimated yet: " in first and "Every row was measured at commit" in first
+    computed, printed = run()
+    assert computed == [] and f"{name}: reused {path}" in printed.out and out.read_text() == first
+    row = json.loads(path.read_text())
+    assert row["fingerprint"] == {"table": "command", "name": name, "script": "awm",
+                                  "argv": estimate.COMMANDS[index][2], "world": 1, "tiny": True, "undo": False}
+    assert row["commit"] == estimate.code_state()["commit"] and row["seconds"] > 0
+    row["fingerprint"]["argv"] += " --eval-num 8"
+    path.write_text(json.dumps(row))
+    computed, printed = run()
+    assert computed == [name] and f"{path}: made with another argv; recomputed" in printed.err
+    text = path.read_text()
+    path.write_text(text[:len(text) // 2])  # a write cut short by a kill (write_row itself renames a whole file)
+    computed, printed = run()
+    assert computed == [name] and f"{path}: unreadable (JSONDecodeError" in printed.err
+    assert run("--fresh")[0] == [name]
+    # a row with the before/after table's re-measurements serves a run without them, not the other way round
+    fingerprint = row["fingerprint"]
+    assert estimate.serves({**fingerprint, "undo": True}, fingerprint)
+    assert not estimate.serves(fingerprint, {**fingerprint, "undo": True})
+    # the report of the row read back is the report of the live estimate
+    paths = [tmp_path / "live.md", tmp_path / "read.md"]
+    for e, p in zip((live, estimate.from_row(estimate.plain(estimate.to_row(live)))), paths):
+        estimate.report([e], str(p), made="")
+    assert paths[0].read_text() == paths[1].read_text()
+    capsys.readouterr()
+    monkeypatch.setattr(sys, "argv", ["estimate.py", "--tiny", "--only", str(len(estimate.COMMANDS))])
+    with pytest.raises(SystemExit, match=f"--only {len(estimate.COMMANDS)}: COMMANDS has indices 0 to"):
+        estimate.main()
+
+
+def test_the_committed_report_is_its_row_files(tmp_path):
+    """results/estimate.md is what its row files give, with a row for every command, the reward models and
+    each evaluation, each made by the command as COMMANDS has it now, and no other row file beside them."""
+    rows = os.path.join(ROOT, "results", "estimate", "rows")
+    paths = estimate.row_paths(rows)
+    assert sorted(os.listdir(rows)) == sorted(os.path.basename(p) for p in paths.values())
+    out = tmp_path / "estimate.md"
+    estimate.write_report(rows, str(out), tiny=False)
+    text = out.read_text()
+    assert "Not estimated yet" not in text
+    with open(os.path.join(ROOT, "results", "estimate.md")) as f:
+        assert f.read() == text
+
+
+# the README's command lines that have no row of their own: the calibration of DenseGRPO's psi(t) (a third of
+# the training run's prompts per iteration); the data, checkpoint and cache paths do not change the estimate
+NOT_ROWS = ("--calibrate",)
+PATHS = ("prompts", "eval_prompts", "text_cache", "psi", "psi_out", "hps_checkpoint", "clip_model")
+
+
+def parsed(script, argv):
+    """The Args a command line gives its file, less the paths."""
+    import tyro
+
+    args = tyro.cli(__import__(script).Args, args=argv)
+    return {k: v for k, v in dataclasses.asdict(args).items() if k not in PATHS and k != "reward_models"}
+
+
+def readme_commands():
+    """(script, world, argv) of every torchrun line of the README, its shell variables expanded."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        lines = f.read().splitlines()
+    variables, out = {}, []
+    for line in lines:
+        if m := re.fullmatch(r'([A-Z]+)="([^"]*)"(\s+#.*)?', line.strip()):
+            variables[m[1]] = m[2]
+        elif line.startswith("torchrun "):
+            words = re.sub(r"\$([A-Z]+)", lambda m: variables[m[1]], re.split(r"\s+#", line)[0]).split()
+            at = next(i for i, w in enumerate(words) if w.endswith(".py"))
+            launcher = dict(zip(words[1:at:2], words[2:at:2]))
+            world = int(launcher.get("--nnodes", 1)) * int(launcher["--nproc_per_node"])
+            out.append((words[at][:-3], world, words[at + 1:]))
+    return out
+
+
+def test_every_readme_command_is_a_row():
+    """Each torchrun line of the README (its shell variables expanded) is a row of COMMANDS: the same file, GPUs
+    and Args but for data, checkpoint and cache paths; so results/estimate.md estimates what the README runs."""
+    commands = readme_commands()
+    assert len(commands) >= 20 and any(w == 32 for _, w, _ in commands)  # (the 4 x 8 MixGRPO line parsed)
+    rows = {(script, world): [] for _, script, _, world in estimate.COMMANDS}
+    for _, script, argv, world in estimate.COMMANDS:
+        rows[(script, world)].append(parsed(script, argv.split()))
+    for script, world, argv in commands:
+        if any(flag in argv for flag in NOT_ROWS):
+            continue
+        assert parsed(script, argv) in rows.get((script, world), []), (script, world, " ".join(argv))

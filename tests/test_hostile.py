@@ -4,6 +4,7 @@ it gets instead of a traceback, a hang or silent nonsense. By class: (1) every p
 hypothesis beside the named cases; (2) numeric flags and environment values (tests/test_bad_input.py and
 tests/test_robustness.py hold theirs); the run files, caches, rewards and results further below."""
 import atexit
+import dataclasses
 import errno
 import json
 import os
@@ -828,6 +829,22 @@ def test_tensorboards_writer_thread_fails_quietly_and_the_run_says_it_in_one_lin
     assert "Traceback" not in err and "Exception in thread" not in err, err
 
 
+@pytest.mark.parametrize("name", ["flow_grpo", "densegrpo", "diffusion_nft", "awm", "dancegrpo", "g2rpo", "mixgrpo",
+                                  "dgpo", "flow_dppo"])
+def test_every_files_arguments_and_toy_preset_come_back_from_run_json_as_they_were(name):
+    """What run.json records (loggable: JSON) reads back as the same Args, its unions (densegrpo's
+    --dense-ode-steps int or 't') and tuples of floats included."""
+    import importlib
+
+    import rundir
+    module = importlib.import_module(name)
+    for args in (module.Args(), dataclasses.replace(module.Args(), **module.TOY)):
+        saved = json.loads(json.dumps(dataclasses.asdict(args)))
+        assert rundir.arguments_from(module.Args, saved) == args
+    if name == "densegrpo":
+        assert rundir.arguments_from(module.Args, {"dense_ode_steps": 2}).dense_ode_steps == 2
+
+
 def test_resume_alone_takes_only_arguments_of_their_type_from_run_json():
     """--resume DIR alone takes the checkpoint's arguments as the defaults (rundir.arguments_from): one of another
     type (a string, a list where a number goes) is one line, not a traceback in the checks that follow."""
@@ -837,10 +854,11 @@ def test_resume_alone_takes_only_arguments_of_their_type_from_run_json():
     args = rundir.arguments_from(flow_grpo.Args, good)
     assert (args.num_steps, args.guidance, args.rewards, args.reward_models.reward_timeout) == (4, 4.0, ("jpeg",), 60.0)
     for saved, shown in [({"num_steps": "abc"}, "--num-steps 'abc', not the int"),
-                         ({"group_size": [1, 2]}, "--group-size [1, 2], not the int"),
+                         ({"group_size": [1, 2]}, "--group-size (1, 2), not the int"),
                          ({"seed": True}, "--seed True, not the int"),
                          ({"rewards": ["jpeg", 3]}, "--rewards ('jpeg', 3), not the tuple"),
-                         ({"reward_models": {"reward_timeout": "x"}}, "--reward-timeout 'x', not the float")]:
+                         ({"reward_models": {"reward_timeout": "x"}}, "--reward-timeout 'x', not the float"),
+                         ({"text_cache": 3}, "--text-cache 3, not the str or None")]:
         with pytest.raises(SystemExit) as e:
             rundir.arguments_from(flow_grpo.Args, saved)
         assert one_line(e) == (f"error: the checkpoint's run.json has {shown} it takes; resume from another checkpoint, "

@@ -1,6 +1,7 @@
 """Learning on the embedded toy world: the training reward (mean of the two toy rewards) of ODE samples on 256 fixed
 held-out prompt/seed pairs rises within a short CPU run by more than its paired standard error against the base
-model. The runs use one thread each (deterministic on a given machine) and run side by side."""
+model. The runs use one thread each (deterministic on a given machine), in two processes side by side, each running
+its runs in turn (tests/run_in_turn.py: the same numbers as a process per run, in 806 CPU-s against 998)."""
 import json
 import math
 import os
@@ -28,20 +29,26 @@ pytestmark = pytest.mark.slow
 #   +0.0055 +- 0.0035 (+1.6 SE; n = t and a uniform psi: +0.0061 +- 0.0039, +1.6 SE)
 # diffusion_nft (8 prompts, 4 iterations, half of the 16 timesteps per sample): +0.0088 +- 0.0051 (+1.7 SE; 6: +3.5)
 # awm (8 prompts, 6 iterations, beta 0.04, ema_beta 1, lr 1e-4): +0.0102 +- 0.0063 (+1.6 SE; 8: +3.4)
-# dgpo (8 prompts, 5 iterations, trunc_steps 9, beta 0.04, lr 1e-4): +0.0192 +- 0.0055 (+3.5 SE); flow_dppo (8
-#   prompts, 3 SDE steps of the first 8, a 1.2, lr 5e-5, 2 steps per iteration, 10 iterations): +0.0139 +- 0.0036
-#   (+3.8 SE; 5: +2.2) (docs/dgpo.md, docs/flow_dppo.md)
-CASES = {  # name: (script, iterations, flags)
-    "g2rpo": ("g2rpo.py", 7, ["--lambdas", "1"]),
+# dgpo (8 prompts, 3 iterations, trunc_steps 9, beta 0.04, lr 1e-4): +0.0086 +- 0.0050 (+1.7 SE; 5: +3.5); flow_dppo (8
+#   prompts, 3 SDE steps of the first 8, a 1.2, lr 5e-5, 2 steps per iteration, 5 iterations): +2.2 SE (10: +0.0139
+#   +- 0.0036, +3.8 SE) (docs/dgpo.md, docs/flow_dppo.md)
+# dpo (8 prompts, the reference's SDE rollout, beta_dpo 1000, lr 3e-5, 5 iterations): +1.6 SE (10: +0.0073 +-
+#   0.0027, +2.6 SE); crd (8 prompts, 8 timesteps per group, beta 0.1, kl_cfg 3.5, 3 iterations): +0.0089 +- 0.0058 (+1.5
+#   SE; 4: +2.8, 5: +3.7) (docs/dpo.md, docs/crd.md)
+CASES = {  # name: (script, iterations, flags, process): two processes, each running its cases in turn (about 480
+    # CPU-s each, measured in results/compare/'s seed-0 runs), torch and diffusers imported once a process
+    "g2rpo": ("g2rpo.py", 7, ["--lambdas", "1"], 0),
     "densegrpo": ("densegrpo.py", 5, ["--prompts-per-iteration", "4", "--psi", "results/toy_psi.json",
-                                      "--dense-ode-steps", "2"]),
-    "flow_grpo": ("flow_grpo.py", 5, []),
-    "dancegrpo": ("dancegrpo.py", 5, []),
-    "mixgrpo": ("mixgrpo.py", 12, []),
-    "diffusion_nft": ("diffusion_nft.py", 4, []),
-    "awm": ("awm.py", 6, []),
-    "dgpo": ("dgpo.py", 5, []),
-    "flow_dppo": ("flow_dppo.py", 5, []),
+                                      "--dense-ode-steps", "2"], 1),
+    "flow_grpo": ("flow_grpo.py", 5, [], 1),
+    "dancegrpo": ("dancegrpo.py", 5, [], 0),
+    "mixgrpo": ("mixgrpo.py", 12, [], 1),
+    "diffusion_nft": ("diffusion_nft.py", 4, [], 0),
+    "awm": ("awm.py", 6, [], 0),
+    "dgpo": ("dgpo.py", 3, [], 0),
+    "flow_dppo": ("flow_dppo.py", 5, [], 1),
+    "dpo": ("dpo.py", 5, [], 1),
+    "crd": ("crd.py", 3, [], 1),
 }
 
 
@@ -51,16 +58,26 @@ BASE = "flow_grpo"  # the run that evaluates the base model: every file's TOY pr
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", TOKENIZERS_PARALLELISM="false")
-    out, procs = {}, {}
-    for name, (script, iterations, extra) in CASES.items():
+    logs, out, turns = tmp_path_factory.mktemp("logs"), {}, [[], []]
+    for name, (script, iterations, extra, process) in CASES.items():
         out[name] = str(tmp_path_factory.mktemp(name))
-        procs[name] = subprocess.Popen(
-            [sys.executable, os.path.join(ROOT, script), "--model", "toy", "--output-dir", out[name], "--num-iterations",
-             str(iterations), "--eval-every", str(iterations), "--eval-num", "256", "--save-every", "0",
-             "--log-images-every", "0", *extra, *([] if name == BASE else ["--no-eval-base"])], cwd=ROOT, env=env,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    logs = {s: p.communicate(timeout=1800)[0] for s, p in procs.items()}
-    return {s: (out[s], procs[s].returncode, logs[s]) for s in CASES}
+        turns[process].append([name, script, ["--model", "toy", "--output-dir", out[name], "--num-iterations",
+                                              str(iterations), "--eval-every", str(iterations), "--eval-num", "256",
+                                              "--save-every", "0", "--log-images-every", "0", *extra,
+                                              *([] if name == BASE else ["--no-eval-base"])]])
+    procs = []
+    for process, turn in enumerate(turns):
+        (logs / f"{process}.json").write_text(json.dumps(turn))
+        procs.append(subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "run_in_turn.py"),
+                                       str(logs / f"{process}.json")], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    said = [p.communicate(timeout=1800)[0] for p in procs]  # a run that fails is its case's failure, below
+    assert all(p.returncode == 0 for p in procs), said
+    result = {}
+    for name in CASES:
+        code, log = (logs / f"{name}.log").read_text().split("\n", 1)
+        result[name] = (out[name], int(code), log)
+    return result
 
 
 def paired(before, after):

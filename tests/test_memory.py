@@ -1,15 +1,13 @@
 """Memory-saving paths give the same numbers: activation checkpointing, FSDP2 (float32 and bf16 parameter policies)
 against one process on the whole batch, and a sharded run's resume and exported weights."""
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from common import make_trainable, select, shifted_sigmas, velocity
 from flow_grpo import sde_step
-from helpers import ROOT, crashed_copy, read_metrics, run_script, tiny_flags
+from helpers import crashed_copy, read_metrics, run_script, tiny_flags
 from tiny import build_flux, build_sd3
 
 
@@ -53,7 +51,8 @@ def rel_diff(a, b):
     return (sum(((a[k] - b[k]) ** 2).sum() for k in a) / sum((a[k] ** 2).sum() for k in a)).sqrt().item()
 
 
-MODES = ["plain", "checkpointing", "bf16", "lora", "awm", "lora,awm", "wan", "wan,checkpointing", "wan,lora"]
+MODES = ["plain", "checkpointing", "bf16", "lora", "awm", "lora,awm", "dpo", "lora,dpo", "crd", "lora,crd", "wan",
+         "wan,checkpointing", "wan,lora"]
 
 
 @pytest.fixture(scope="module")
@@ -89,12 +88,15 @@ def test_fsdp2_gradient_of_a_video_model_equals_the_full_batch_gradient(steps):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["plain", "lora", "awm", "lora,awm", "wan", "wan,lora"],
-                         ids=["fsdp2", "lora-ddp", "awm-fsdp2", "awm-lora-ddp", "wan-fsdp2", "wan-lora-ddp"])
+@pytest.mark.parametrize("mode", ["plain", "lora", "awm", "lora,awm", "dpo", "lora,dpo", "crd", "lora,crd", "wan",
+                                  "wan,lora"],
+                         ids=["fsdp2", "lora-ddp", "awm-fsdp2", "awm-lora-ddp", "dpo-fsdp2", "dpo-lora-ddp",
+                              "crd-fsdp2", "crd-lora-ddp", "wan-fsdp2", "wan-lora-ddp"])
 def test_one_optimizer_step_is_the_same_on_one_and_two_processes(steps, mode):
     """The same batch, split over 2 ranks, gives the same weights after common.optimizer_step (gradient averaging,
-    norm clipping, AdamW) as one process with all of it: FSDP2 full fine-tuning and DDP-style LoRA; Flow-GRPO's loss and
-    AWM's (whose KL-EMA forward swaps a weight set into the FSDP2 shards)."""
+    norm clipping, AdamW) as one process with all of it: FSDP2 full fine-tuning and DDP-style LoRA; Flow-GRPO's loss,
+    AWM's (whose KL-EMA forward swaps a weight set into the FSDP2 shards), DPO's (a pair per rank, the reference swapped
+    in) and CRD's (a group per rank, centred on its own, the old model swapped in)."""
     (start, one), (start2, two) = ((steps[n][mode]["before"], steps[n][mode]["updated"]) for n in (1, 2))
     assert one.keys() == two.keys() == start.keys() and len(one) > 0
     assert all(torch.equal(start[k], start2[k]) for k in start)
@@ -153,11 +155,7 @@ def test_distributed_checks(tmp_path):
                "args": dataclasses.asdict(flow_grpo.Args())}
         (ckpt / "run.json").write_text(json.dumps(run))
     out = tmp_path / "checks.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           os.path.join(ROOT, "tests", "dist_checks.py"), str(out), str(root)],
-                          capture_output=True, text=True, env=env, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_script("tests/dist_checks.py", [str(out), str(root)], nproc=2, timeout=300)
     result = json.loads(out.read_text())
     for block in ("FluxTransformerBlock", "FluxSingleTransformerBlock"):
         sharded, unsharded = result["dtypes"]["sharded"][block], result["dtypes"]["unsharded"][block]
@@ -166,3 +164,25 @@ def test_distributed_checks(tmp_path):
     assert result["bookkeeping"] == [0] * 5, result["bookkeeping"]  # was 9, 18, 27, ... before forget_forwards
     expected = [str(root / "checkpoints" / "iter_2"), 2]
     assert result["resume"] == [expected, expected], result["resume"]
+
+
+def test_the_rank_launcher_sets_the_group_and_stops_the_ranks_when_one_fails(tmp_path):
+    """tests/helpers.run_ranks, the tests' torchrun: each rank gets its RANK, WORLD_SIZE and the same free
+    MASTER_PORT; when one rank fails the other (which would wait at its next collective) is stopped at once and the
+    failed rank's code is returned; a run past its timeout is stopped and raises."""
+    import subprocess
+    import sys
+    import time
+
+    from helpers import run_ranks
+
+    script = tmp_path / "rank.py"
+    script.write_text("import os, sys, time\nr = os.environ['RANK']\nprint(r, os.environ['WORLD_SIZE'], "
+                      "os.environ['MASTER_PORT'], flush=True)\nsys.exit(3) if r == '1' else time.sleep(60)\n")
+    t0 = time.time()
+    proc = run_ranks([sys.executable, str(script)], 2, env=dict(os.environ), timeout=60)
+    assert proc.returncode == 3 and time.time() - t0 < 30
+    (zero, one) = [line.split() for line in proc.stdout.splitlines()]
+    assert zero[:2] == ["0", "2"] and one[:2] == ["1", "2"] and zero[2] == one[2]
+    with pytest.raises(subprocess.TimeoutExpired):
+        run_ranks([sys.executable, "-c", "import time; time.sleep(60)"], 2, env=dict(os.environ), timeout=1)

@@ -24,6 +24,8 @@ CASES = {  # name: (script, flags on top of tiny_flags at T = 4); DanceGRPO's li
     "awm": ("awm.py", {"train_timesteps": 2}),  # its KL-EMA copy in state.pt (DiffusionNFT's old policy: the same path)
     "dgpo": ("dgpo.py", {"trunc_steps": 2, "train_timesteps": 2}),  # its EMA reference in state.pt
     "flow_dppo": ("flow_dppo.py", {"sde_steps": 1}),  # its SDE steps drawn anew each iteration
+    "dpo": ("dpo.py", {"timestep_fraction": 0.5, "ref_update_step": 3}),  # its reference, copied at step 3, in state.pt
+    "crd": ("crd.py", {"train_timesteps": 2}),  # its old and sampling snapshots in state.pt, two steps an iteration
 }
 
 

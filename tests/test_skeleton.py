@@ -11,7 +11,8 @@ import pytest
 from helpers import ROOT
 
 PARENTS = {"densegrpo": "flow_grpo", "diffusion_nft": "flow_grpo", "awm": "flow_grpo", "dancegrpo": "flow_grpo",
-           "g2rpo": "dancegrpo", "mixgrpo": "dancegrpo", "dgpo": "awm", "flow_dppo": "flow_grpo"}
+           "g2rpo": "dancegrpo", "mixgrpo": "dancegrpo", "dgpo": "awm", "flow_dppo": "flow_grpo", "dpo": "flow_grpo",
+           "crd": "diffusion_nft"}
 FILES = ["flow_grpo", *PARENTS]
 
 
