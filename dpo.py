@@ -47,7 +47,13 @@ class Args:
     mixed_precision: Literal["no", "bf16"] = "bf16"
     """compute dtype on CUDA; the trainable weights and the SDE math stay float32"""
     resolution: int = 512
-    """image height and width in pixels"""
+    """image height (and width, unless --width) in pixels"""
+    width: int | None = None
+    """image width in pixels, where it differs from the height"""
+    num_frames: int | None = None
+    """frames per sample, for models whose samples have them (docs/video.md; none: the model's default)"""
+    fps: int = 16
+    """frames per second of the exported samples, and of what a reward receives, where samples have frames"""
     max_sequence_length: int = 128
     """prompt length in tokens (T5's, or the family's text encoder's)"""
     text_cache: str | None = None
@@ -179,7 +185,7 @@ def sde_step(v, x, sigmas, i: int, noise_level: float, *, prev_sample=None, gene
     ODE's Euler step (log-prob 0). Returns (x_next, log_prob, mean, std)."""
     v, x = v.float(), x.float()
     sigma, dt = float(sigmas[i]), float(sigmas[i + 1]) - float(sigmas[i])
-    below = float(sigmas[1]) if sigma == 1 else sigma  # official: sigma = 1 -> sigmas[1] in the denominator
+    below = float(sigmas[1]) if sigma > 1 - 1e-4 else sigma  # official: sigma = 1 -> sigmas[1] (and 1 - 1e-6)
     g = noise_level * math.sqrt(sigma / (1 - below))
     mean, std = x + (v + g**2 / (2 * sigma) * (x + (1 - sigma) * v)) * dt, g * math.sqrt(-dt)
     if prev_sample is None:
