@@ -136,6 +136,7 @@ CASES = {  # file: flags on top of tiny_flags (4 steps), as tests/test_resume.py
     "g2rpo.py": {"sde_steps": "0 1", "lambdas": "1 2", "updates_per_iteration": 2, "no_full_finetune": True},
     "mixgrpo.py": {"window_size": 2, "updates_per_iteration": 1, "no_full_finetune": True},
     "dgpo.py": {"trunc_steps": 2, "train_timesteps": 2}, "flow_dppo.py": {"sde_steps": 1},
+    "dpo.py": {"timestep_fraction": 0.5}, "crd.py": {"train_timesteps": 2},
 }
 
 
