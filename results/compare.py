@@ -77,7 +77,7 @@ VIDEO_REWARDS = {"first": ["--rewards", "toy_frame", "--frame-reduce", "first"],
 VIDEO_METRICS = ("toy_frame_first", "toy_frame_mean", "toy_motion", "toy_consistency", "toy_video_strict")
 VIDEO_FILES = {"flow_grpo": "Flow-GRPO", "densegrpo": "DenseGRPO", "diffusion_nft": "DiffusionNFT", "awm": "AWM",
                "dgpo": "DGPO", "flow_dppo": "Flow-DPPO", "dancegrpo": "DanceGRPO", "g2rpo": "G2RPO",
-               "mixgrpo": "MixGRPO"}
+               "mixgrpo": "MixGRPO", "dpo": "Online Diffusion-DPO", "crd": "CRD"}
 CONFIGS.update({f"video_{f}_{r}": (f"{f}.py", ["--model", "toy-video", *flags, "--eval-rewards", *VIDEO_METRICS], 0)
                 for f in VIDEO_FILES for r, flags in VIDEO_REWARDS.items()})
 VIDEO = {f"video_flow_grpo_{r}": 5 for r in VIDEO_REWARDS}  # the rows run; every file's are configured
