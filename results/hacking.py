@@ -214,9 +214,13 @@ def figure(cv, path):
 
 def summarize(a) -> list[str]:
     runs = load(a)
+    waiting = [c for c, rs in runs.items() if len(rs) < 2]  # an interval, a peak out of sample: 2 seeds
+    runs = {c: rs for c, rs in runs.items() if c not in waiting}
     cv = {c: [hacking_curves(r) for r in rs] for c, rs in runs.items()}
     ms = {c: measures(xs, config=c) for c, xs in cv.items()}
     lines = ["## Reward hacking: every method on a learned proxy of the training reward", "",
+             *([f"Not yet in the tables (one finished seed; a row needs two): {', '.join(sorted(waiting))}.",
+                ""] if waiting else []),
              "Each row: changes from the base model, the mean over seeds and the evaluation pairs [its 95% interval: "
              "results/stats.py, the seeds and the pairs resampled, a t quantile for the number of seeds]. The "
              "over-rating is the proxy's change minus the gold reward's (the exact training reward's) at the end: how "

@@ -22,17 +22,19 @@ def tiny(tmp_path_factory):
 
 
 def pytest_collection_modifyitems(items):
-    """The learning runs first: they are the longest file, and one worker runs them while the other runs the rest."""
+    """The learning runs first: they are the longest file, and one worker runs them while the other runs the
+    rest."""
     items.sort(key=lambda item: "test_learning.py" not in item.nodeid)
 
 
-CPU_LOG = os.environ.get("PYTEST_CPU_LOG")  # a file: one JSON line per test phase, its CPU seconds (docs/contributing.md)
+CPU_LOG = os.environ.get("PYTEST_CPU_LOG")  # a JSON line per test, its CPU seconds (docs/contributing.md)
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    """With $PYTEST_CPU_LOG set: the CPU seconds of each test (setup, call and teardown), this process's and those
-    of the processes it waited for, which a busy machine inflates far less than its wall-clock seconds."""
+    """With $PYTEST_CPU_LOG set: the CPU seconds of each test (setup, call and teardown together), this
+    process's and those of the processes it waited for, which a busy machine inflates far less than its
+    wall-clock seconds."""
     if not CPU_LOG:
         yield
         return

@@ -40,7 +40,8 @@ def tiny_flags(model, prompts, out, **over):
 def run_script(script, args, nproc=1, check=True, timeout=600, fresh=False):
     """Run a script of this project with `args` and return its (returncode, stdout, stderr): in this process, where
     torch and diffusers are already imported (one thread, warnings off, as a new process would run it), or in new
-    processes where a test needs them: `nproc` > 1 (run_ranks) or `fresh` (a new interpreter, e.g. to be killed)."""
+    processes where a test needs them: `nproc` > 1 (run_ranks) or `fresh` (a new interpreter, e.g. to be
+    killed)."""
     if nproc == 1 and not fresh:
         proc = run_here(script, args)
     else:
@@ -55,9 +56,9 @@ def run_script(script, args, nproc=1, check=True, timeout=600, fresh=False):
 
 def run_ranks(cmd, nproc, *, env, timeout):
     """`cmd` as `torchrun --standalone --nproc_per_node nproc` starts it: one process per rank with RANK,
-    LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set, and, when one rank fails, the others stopped; without
-    torchrun's own launcher process (an interpreter that imports torch, 2 CPU-s a test). The ranks' stdout and
-    stderr are joined in rank order; the return code is the first failed rank's, else 0."""
+    LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set, and, when one rank fails, the others stopped;
+    without torchrun's own launcher process (an interpreter that imports torch, 2 CPU-s a test). The ranks'
+    stdout and stderr are joined in rank order; the return code is the first failed rank's, else 0."""
     import socket
     import tempfile
     import time
@@ -82,7 +83,7 @@ def run_ranks(cmd, nproc, *, env, timeout):
             time.sleep(0.05)
         timed_out = time.time() > deadline and any(p.poll() is None for p in procs)
     finally:
-        for p in procs:  # the others of a failed rank would wait at its next collective: stopped, as torchrun does
+        for p in procs:  # a failed rank's others would wait at its next collective: stopped, as torchrun does
             if p.poll() is None:
                 p.terminate()
         for p in procs:

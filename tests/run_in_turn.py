@@ -1,5 +1,5 @@
-"""Runs of this project's scripts one after another in one interpreter, torch and diffusers imported once (6 CPU-s
-a process), as tests/helpers.run_here runs one:
+"""Runs of this project's scripts one after another in one interpreter, torch and diffusers imported once
+(6 CPU-s a process), as tests/helpers.run_here runs one:
 
     python tests/run_in_turn.py RUNS.json   # a list of [name, script, [argument, ...]]
 

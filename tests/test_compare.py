@@ -198,7 +198,8 @@ def test_tiny_comparison_end_to_end_and_resumable(tmp_path):
     made = {f: (out / f).read_bytes() for f in os.listdir(out) if f.endswith((".md", ".png"))}
     for f in made:
         os.remove(out / f)
-    again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)  # nothing to run: a summary
+    # nothing left to run: the rerun is a summary alone
+    again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0 and "0 runs to do" in again.stdout, again.stdout[-2000:] + again.stderr[-2000:]
     assert {f: (out / f).read_bytes() for f in made} == made  # rebuilt byte for byte from raw/
     # the equal-compute comparison beside it: DiffusionNFT against Flow-GRPO, in the headline first; its Flow-GRPO

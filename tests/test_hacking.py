@@ -52,7 +52,8 @@ def fake_run(config, seed, gold, proxy, kl, pairs=4):
 def test_summary_judges_the_fall_and_rebuilds_exactly(tmp_path):
     """--summary-only on raw runs: Flow-GRPO without KL (7 seeds) rises then falls (each seed by 0.06-0.18, read at
     the peak of the other seeds: supported) while the proxy over-rates it, GRPO-Guard falls less (supported), KL 0.4
-    peaks later than 0.04 (supported), and a second rebuild writes the same table and figure, byte for byte."""
+    peaks later than 0.04 (supported), a row of one seed waits for its second, and a second rebuild writes the
+    same table and figure, byte for byte."""
     raw = tmp_path / "raw"
     raw.mkdir()
     for s in range(7):
@@ -65,11 +66,16 @@ def test_summary_judges_the_fall_and_rebuilds_exactly(tmp_path):
             if s >= 5 and c != "proxy_flow_grpo_kl0":
                 continue
             (raw / f"{c}__seed{s}.json").write_text(json.dumps(fake_run(c, s, *curves)))
+    # a row with one finished seed has no interval yet: named, not tabled
+    one = fake_run("proxy_dpo", 0, [0.5] * 4, [0.5] * 4, [0] * 4)
+    (raw / "proxy_dpo__seed0.json").write_text(json.dumps(one))
     cmd = [sys.executable, os.path.join(ROOT, "results", "hacking.py"), "--summary-only", "--out", str(tmp_path),
-           "--configs", "flow_grpo_kl0", "flow_grpo_guard", "flow_grpo", "flow_grpo_kl4"]
+           "--configs", "flow_grpo_kl0", "flow_grpo_guard", "flow_grpo", "flow_grpo_kl4", "dpo"]
     first = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert first.returncode == 0, first.stderr
     table = (tmp_path / "hacking.md").read_text()
+    assert "Not yet in the tables (one finished seed; a row needs two): proxy_dpo." in table
+    assert "| proxy_dpo |" not in table
     # kl0: every seed's others peak at evaluation 1 (NFE 500), where seed s is at +0.03 + 0.01 s: mean +0.06; it ends
     # at -0.03 - 0.01 s (mean -0.06), a fall of +0.12; the proxy ends at +0.15 + 0.01 s: an over-rating of +0.24
     (row,) = [r for r in table.splitlines() if r.startswith("| Flow-GRPO, no KL | proxy_flow_grpo_kl0 | 7 |")]

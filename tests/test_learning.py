@@ -1,7 +1,8 @@
 """Learning on the embedded toy world: the training reward (mean of the two toy rewards) of ODE samples on 256 fixed
 held-out prompt/seed pairs rises within a short CPU run by more than its paired standard error against the base
-model. The runs use one thread each (deterministic on a given machine), in two processes side by side, each running
-its runs in turn (tests/run_in_turn.py: the same numbers as a process per run, in 806 CPU-s against 998)."""
+model. The runs use one thread each (deterministic on a given machine), in two processes side by side, each
+running its runs in turn (tests/run_in_turn.py: the same numbers as a process per run, in 806 CPU-s against
+998)."""
 import json
 import math
 import os
@@ -35,8 +36,9 @@ pytestmark = pytest.mark.slow
 # dpo (8 prompts, the reference's SDE rollout, beta_dpo 1000, lr 3e-5, 5 iterations): +1.6 SE (10: +0.0073 +-
 #   0.0027, +2.6 SE); crd (8 prompts, 8 timesteps per group, beta 0.1, kl_cfg 3.5, 3 iterations): +0.0089 +- 0.0058 (+1.5
 #   SE; 4: +2.8, 5: +3.7) (docs/dpo.md, docs/crd.md)
-CASES = {  # name: (script, iterations, flags, process): two processes, each running its cases in turn (about 480
-    # CPU-s each, measured in results/compare/'s seed-0 runs), torch and diffusers imported once a process
+# name: (script, iterations, flags, process): two processes, each running its cases in turn (about 480 CPU-s
+# each, measured in results/compare/'s seed-0 runs), torch and diffusers imported once a process
+CASES = {
     "g2rpo": ("g2rpo.py", 7, ["--lambdas", "1"], 0),
     "densegrpo": ("densegrpo.py", 5, ["--prompts-per-iteration", "4", "--psi", "results/toy_psi.json",
                                       "--dense-ode-steps", "2"], 1),
@@ -61,15 +63,15 @@ def runs(tmp_path_factory):
     logs, out, turns = tmp_path_factory.mktemp("logs"), {}, [[], []]
     for name, (script, iterations, extra, process) in CASES.items():
         out[name] = str(tmp_path_factory.mktemp(name))
-        turns[process].append([name, script, ["--model", "toy", "--output-dir", out[name], "--num-iterations",
-                                              str(iterations), "--eval-every", str(iterations), "--eval-num", "256",
-                                              "--save-every", "0", "--log-images-every", "0", *extra,
-                                              *([] if name == BASE else ["--no-eval-base"])]])
+        args = ["--model", "toy", "--output-dir", out[name], "--num-iterations", str(iterations),
+                "--eval-every", str(iterations), "--eval-num", "256", "--save-every", "0", "--log-images-every",
+                "0", *extra, *([] if name == BASE else ["--no-eval-base"])]
+        turns[process].append([name, script, args])
     procs = []
     for process, turn in enumerate(turns):
         (logs / f"{process}.json").write_text(json.dumps(turn))
-        procs.append(subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "run_in_turn.py"),
-                                       str(logs / f"{process}.json")], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+        cmd = [sys.executable, os.path.join(ROOT, "tests", "run_in_turn.py"), str(logs / f"{process}.json")]
+        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True))
     said = [p.communicate(timeout=1800)[0] for p in procs]  # a run that fails is its case's failure, below
     assert all(p.returncode == 0 for p in procs), said

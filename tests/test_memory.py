@@ -168,8 +168,8 @@ def test_distributed_checks(tmp_path):
 
 def test_the_rank_launcher_sets_the_group_and_stops_the_ranks_when_one_fails(tmp_path):
     """tests/helpers.run_ranks, the tests' torchrun: each rank gets its RANK, WORLD_SIZE and the same free
-    MASTER_PORT; when one rank fails the other (which would wait at its next collective) is stopped at once and the
-    failed rank's code is returned; a run past its timeout is stopped and raises."""
+    MASTER_PORT; when one rank fails the other (which would wait at its next collective) is stopped at once
+    and the failed rank's code is returned; a run past its timeout is stopped and raises."""
     import subprocess
     import sys
     import time
