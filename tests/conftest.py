@@ -33,17 +33,21 @@ CPU_LOG = os.environ.get("PYTEST_CPU_LOG")  # a JSON line per test, its CPU seco
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     """With $PYTEST_CPU_LOG set: the CPU seconds of each test (setup, call and teardown together), this
-    process's and those of the processes it waited for, which a busy machine inflates far less than its
-    wall-clock seconds."""
+    process's, those of the processes it waited for and of the ranks tests/fork_server.py forked for it (not
+    the server's own start, ~6 CPU-s a worker), which a busy machine inflates far less than its wall-clock
+    seconds."""
     if not CPU_LOG:
         yield
         return
     import json
     import resource
 
+    import helpers
+
     def cpu():
         own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-        return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+        forked = helpers.FORKED_CPU[0]  # the ranks tests/fork_server.py forked, not this process's children
+        return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime + forked
 
     start = cpu()
     yield

@@ -47,38 +47,63 @@ def run_script(script, args, nproc=1, check=True, timeout=600, fresh=False):
     else:
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", TOKENIZERS_PARALLELISM="false")
         cmd = [sys.executable, os.path.join(ROOT, script), *map(str, args)]
-        proc = run_ranks(cmd, nproc, env=env, timeout=timeout) if nproc > 1 else \
+        proc = run_ranks(cmd, nproc, env=env, timeout=timeout, forked=True) if nproc > 1 else \
             subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"{script} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     return proc
 
 
-def run_ranks(cmd, nproc, *, env, timeout):
+def run_ranks(cmd, nproc, *, env, timeout, forked=False):
     """`cmd` as `torchrun --standalone --nproc_per_node nproc` starts it: one process per rank with RANK,
     LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set, and, when one rank fails, the others stopped;
-    without torchrun's own launcher process (an interpreter that imports torch, 2 CPU-s a test). The ranks'
-    stdout and stderr are joined in rank order; the return code is the first failed rank's, else 0."""
+    without torchrun's own launcher process (an interpreter that imports torch, 2 CPU-s a test). With `forked`
+    (`cmd`: the interpreter and a script), the ranks are forked by tests/fork_server.py, which imported torch
+    and diffusers once (~5 CPU-s a rank saved). The ranks' stdout and stderr are joined in rank order; the
+    return code is the first failed rank's, else 0."""
     import socket
     import tempfile
-    import time
 
     with socket.socket() as s:  # a free port for the group's store
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    procs, files = [], []
-    for rank in range(nproc):
-        rank_env = dict(env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
-                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
-        files.append((out, err))
-        procs.append(subprocess.Popen(cmd, stdout=out, stderr=err, text=True, cwd=ROOT, env=rank_env))
-    deadline, code = time.time() + timeout, 0
+    ranks = [dict(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1",
+                  MASTER_PORT=str(port)) for rank in range(nproc)]
+    with tempfile.TemporaryDirectory() as tmp:
+        files = [(os.path.join(tmp, f"{r}.out"), os.path.join(tmp, f"{r}.err")) for r in range(nproc)]
+        if forked:
+            assert cmd[0] == sys.executable and cmd[1].endswith(".py"), cmd
+            reply = fork_request(env, {"argv": cmd[1:], "ranks": ranks, "out": [o for o, _ in files],
+                                       "err": [e for _, e in files], "timeout": timeout})
+            codes, first, timed_out = reply["codes"], reply["first"], reply["timed_out"]
+        else:
+            codes, first, timed_out = popen_ranks(cmd, ranks, files, env=env, timeout=timeout)
+        text = []
+        for out, err in files:
+            with open(out) as o, open(err) as e:
+                text.append((o.read(), e.read()))
+    if timed_out:
+        raise subprocess.TimeoutExpired(cmd, timeout)
+    code = first or next((c for c in codes if c != 0), 0)
+    return subprocess.CompletedProcess(cmd, code, "".join(o for o, _ in text), "".join(e for _, e in text))
+
+
+def popen_ranks(cmd, ranks, files, *, env, timeout):
+    """run_ranks' ranks as new processes: their return codes, the first failed one's code, whether it timed
+    out."""
+    import time
+
+    procs = []
+    for rank_env, (out, err) in zip(ranks, files):
+        with open(out, "w") as o, open(err, "w") as e:
+            procs.append(subprocess.Popen(cmd, stdout=o, stderr=e, text=True, cwd=ROOT,
+                                          env=dict(env, **rank_env)))
+    deadline, first = time.time() + timeout, 0
     try:
         while None in [p.poll() for p in procs]:  # every rank polled
             failed = [p.returncode for p in procs if p.returncode not in (None, 0)]
             if failed or time.time() > deadline:
-                code = failed[0] if failed else code
+                first = failed[0] if failed else first
                 break
             time.sleep(0.05)
         timed_out = time.time() > deadline and any(p.poll() is None for p in procs)
@@ -92,15 +117,51 @@ def run_ranks(cmd, nproc, *, env, timeout):
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
-    if timed_out:
-        raise subprocess.TimeoutExpired(cmd, timeout)
-    code = code or next((p.returncode for p in procs if p.returncode != 0), 0)
-    text = []
-    for out, err in files:
-        out.seek(0), err.seek(0)
-        text.append((out.read(), err.read()))
-        out.close(), err.close()
-    return subprocess.CompletedProcess(cmd, code, "".join(o for o, _ in text), "".join(e for _, e in text))
+    return [p.returncode for p in procs], first, timed_out
+
+
+SERVERS = {}  # the environment a fork server was started with -> (the server, its lock)
+FORKED_CPU = [0.0]  # the CPU seconds of the ranks forked so far (tests/conftest.py's CPU log counts them)
+
+
+def fork_request(env, request):
+    """Send `request` to the fork server started with `env` (started at its first request: it imports torch
+    and diffusers, ~10 s) and return its reply; a server that stopped or does not answer in time is an
+    error."""
+    import atexit
+    import selectors
+
+    key = tuple(sorted(env.items()))
+    if not SERVERS:
+        atexit.register(stop_fork_servers)
+    if key not in SERVERS or SERVERS[key][0].poll() is not None:
+        script = os.path.join(ROOT, "tests", "fork_server.py")
+        server = subprocess.Popen([sys.executable, script], cwd=ROOT, env=env, stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, text=True)
+        SERVERS[key] = (server, threading.Lock())
+    server, lock = SERVERS[key]
+    with lock:
+        server.stdin.write(json.dumps(request) + "\n")
+        server.stdin.flush()
+        with selectors.DefaultSelector() as sel:  # its deadline, and a minute to start and to stop the ranks
+            sel.register(server.stdout, selectors.EVENT_READ)
+            line = server.stdout.readline() if sel.select(timeout=request["timeout"] + 60) else ""
+    if not line:
+        server.kill()
+        raise RuntimeError("tests/fork_server.py stopped or did not answer; run it by hand to see its error")
+    reply = json.loads(line)
+    FORKED_CPU[0] += reply["cpu"]
+    return reply
+
+
+def stop_fork_servers():
+    """At exit: each fork server's stdin closed (it ends its loop) and the server waited for."""
+    for server, _ in SERVERS.values():
+        server.stdin.close()
+        try:
+            server.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            server.kill()
 
 
 HERE = threading.Lock()  # one script at a time in this process (sys.argv, the cwd, stdout are global)

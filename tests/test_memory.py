@@ -166,23 +166,33 @@ def test_distributed_checks(tmp_path):
     assert result["resume"] == [expected, expected], result["resume"]
 
 
-def test_the_rank_launcher_sets_the_group_and_stops_the_ranks_when_one_fails(tmp_path):
-    """tests/helpers.run_ranks, the tests' torchrun: each rank gets its RANK, WORLD_SIZE and the same free
-    MASTER_PORT; when one rank fails the other (which would wait at its next collective) is stopped at once
-    and the failed rank's code is returned; a run past its timeout is stopped and raises."""
+@pytest.mark.parametrize("forked", [False, True], ids=["processes", "forked"])
+def test_the_rank_launcher_sets_the_group_and_stops_the_ranks_when_one_fails(tmp_path, forked):
+    """tests/helpers.run_ranks, the tests' torchrun, with new processes and with ranks forked by
+    tests/fork_server.py: each rank gets its RANK, WORLD_SIZE and the same free MASTER_PORT, and its stdout
+    and stderr come back in rank order; when one rank fails the other (which would wait at its next
+    collective) is stopped at once and the failed rank's code is returned (a SystemExit's message printed, as
+    an interpreter prints it); a run past its timeout is stopped and raises."""
     import subprocess
     import sys
     import time
 
     from helpers import run_ranks
 
+    env = dict(os.environ, OMP_NUM_THREADS="1")
     script = tmp_path / "rank.py"
     script.write_text("import os, sys, time\nr = os.environ['RANK']\nprint(r, os.environ['WORLD_SIZE'], "
-                      "os.environ['MASTER_PORT'], flush=True)\nsys.exit(3) if r == '1' else time.sleep(60)\n")
+                      "os.environ['MASTER_PORT'], flush=True)\nprint('err', r, file=sys.stderr)\n"
+                      "sys.exit(3) if r == '1' else time.sleep(60)\n")
     t0 = time.time()
-    proc = run_ranks([sys.executable, str(script)], 2, env=dict(os.environ), timeout=60)
+    proc = run_ranks([sys.executable, str(script)], 2, env=env, timeout=60, forked=forked)
     assert proc.returncode == 3 and time.time() - t0 < 30
     (zero, one) = [line.split() for line in proc.stdout.splitlines()]
     assert zero[:2] == ["0", "2"] and one[:2] == ["1", "2"] and zero[2] == one[2]
+    assert proc.stderr == "err 0\nerr 1\n"
+    script.write_text("import sys\nsys.exit('a message')\n")
+    proc = run_ranks([sys.executable, str(script)], 2, env=env, timeout=60, forked=forked)
+    assert proc.returncode == 1 and proc.stderr == "a message\na message\n"
+    script.write_text("import time\ntime.sleep(60)\n")
     with pytest.raises(subprocess.TimeoutExpired):
-        run_ranks([sys.executable, "-c", "import time; time.sleep(60)"], 2, env=dict(os.environ), timeout=1)
+        run_ranks([sys.executable, str(script)], 2, env=env, timeout=1, forked=forked)
