@@ -33,8 +33,8 @@ CPU_LOG = os.environ.get("PYTEST_CPU_LOG")  # a JSON line per test, its CPU seco
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     """With $PYTEST_CPU_LOG set: the CPU seconds of each test (setup, call and teardown together), this
-    process's, those of the processes it waited for and of the ranks tests/fork_server.py forked for it (not
-    the server's own start, ~6 CPU-s a worker), which a busy machine inflates far less than its wall-clock
+    process's, those of the processes it waited for and of the fork server's work for it (its imports, in the
+    test that started it, and the ranks it forked), which a busy machine inflates far less than its wall-clock
     seconds."""
     if not CPU_LOG:
         yield
@@ -46,7 +46,7 @@ def pytest_runtest_protocol(item, nextitem):
 
     def cpu():
         own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-        forked = helpers.FORKED_CPU[0]  # the ranks tests/fork_server.py forked, not this process's children
+        forked = helpers.FORKED_CPU[0]  # tests/fork_server.py's and its ranks': not this process's children
         return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime + forked
 
     start = cpu()

@@ -45,13 +45,20 @@ def run_script(script, args, nproc=1, check=True, timeout=600, fresh=False):
     if nproc == 1 and not fresh:
         proc = run_here(script, args)
     else:
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", TOKENIZERS_PARALLELISM="false")
+        env = script_env()
         cmd = [sys.executable, os.path.join(ROOT, script), *map(str, args)]
-        proc = run_ranks(cmd, nproc, env=env, timeout=timeout, forked=True) if nproc > 1 else \
-            subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=timeout)
+        if nproc > 1:
+            proc = run_ranks(cmd, nproc, env=env, timeout=timeout, forked=True)
+        else:
+            proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"{script} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     return proc
+
+
+def script_env():
+    """The environment of a script's new processes: one thread each, warnings off."""
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", TOKENIZERS_PARALLELISM="false")
 
 
 def run_ranks(cmd, nproc, *, env, timeout, forked=False):
@@ -59,8 +66,8 @@ def run_ranks(cmd, nproc, *, env, timeout, forked=False):
     LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set, and, when one rank fails, the others stopped;
     without torchrun's own launcher process (an interpreter that imports torch, 2 CPU-s a test). With `forked`
     (`cmd`: the interpreter and a script), the ranks are forked by tests/fork_server.py, which imported torch
-    and diffusers once (~5 CPU-s a rank saved). The ranks' stdout and stderr are joined in rank order; the
-    return code is the first failed rank's, else 0."""
+    and diffusers once (~5 CPU-s a rank saved; what else differs: its docstring). The ranks' stdout and stderr
+    are joined in rank order; the return code is the first failed rank's, else 0."""
     import socket
     import tempfile
 
@@ -71,6 +78,8 @@ def run_ranks(cmd, nproc, *, env, timeout, forked=False):
                   MASTER_PORT=str(port)) for rank in range(nproc)]
     with tempfile.TemporaryDirectory() as tmp:
         files = [(os.path.join(tmp, f"{r}.out"), os.path.join(tmp, f"{r}.err")) for r in range(nproc)]
+        for path in sum(files, ()):  # there to read even if a rank dies before it opens its own
+            open(path, "w").close()
         if forked:
             assert cmd[0] == sys.executable and cmd[1].endswith(".py"), cmd
             reply = fork_request(env, {"argv": cmd[1:], "ranks": ranks, "out": [o for o, _ in files],
@@ -120,48 +129,91 @@ def popen_ranks(cmd, ranks, files, *, env, timeout):
     return [p.returncode for p in procs], first, timed_out
 
 
-SERVERS = {}  # the environment a fork server was started with -> (the server, its lock)
-FORKED_CPU = [0.0]  # the CPU seconds of the ranks forked so far (tests/conftest.py's CPU log counts them)
+SERVERS = {}  # the environment a fork server was started with (PYTEST_CURRENT_TEST aside) -> the server
+SERVERS_LOCK = threading.Lock()
+FORKED_CPU = [0.0]  # the CPU seconds of the fork servers and their ranks so far (tests/conftest.py's CPU log)
 
 
 def fork_request(env, request):
     """Send `request` to the fork server started with `env` (started at its first request: it imports torch
-    and diffusers, ~10 s) and return its reply; a server that stopped or does not answer in time is an
-    error."""
+    and diffusers, ~10 s) and return its reply. A server that does not start, stops, answers out of turn or
+    not within the request's deadline and a minute (to stop the ranks) is killed, its ranks with it, and the
+    request is an error."""
     import atexit
-    import selectors
+    import tempfile
 
+    env = {k: v for k, v in env.items() if k != "PYTEST_CURRENT_TEST"}  # pytest sets it anew for each test
     key = tuple(sorted(env.items()))
-    if not SERVERS:
-        atexit.register(stop_fork_servers)
-    if key not in SERVERS or SERVERS[key][0].poll() is not None:
-        script = os.path.join(ROOT, "tests", "fork_server.py")
-        server = subprocess.Popen([sys.executable, script], cwd=ROOT, env=env, stdin=subprocess.PIPE,
-                                  stdout=subprocess.PIPE, text=True)
-        SERVERS[key] = (server, threading.Lock())
-    server, lock = SERVERS[key]
-    with lock:
-        server.stdin.write(json.dumps(request) + "\n")
-        server.stdin.flush()
-        with selectors.DefaultSelector() as sel:  # its deadline, and a minute to start and to stop the ranks
-            sel.register(server.stdout, selectors.EVENT_READ)
-            line = server.stdout.readline() if sel.select(timeout=request["timeout"] + 60) else ""
-    if not line:
-        server.kill()
-        raise RuntimeError("tests/fork_server.py stopped or did not answer; run it by hand to see its error")
-    reply = json.loads(line)
+    with SERVERS_LOCK:
+        if not SERVERS:
+            atexit.register(stop_fork_servers)
+        if key not in SERVERS or SERVERS[key]["process"].poll() is not None:
+            errors = tempfile.TemporaryFile()
+            script = os.path.join(ROOT, "tests", "fork_server.py")
+            server = subprocess.Popen([sys.executable, script], cwd=ROOT, env=env, stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE, stderr=errors)
+            SERVERS[key] = {"process": server, "lock": threading.Lock(), "errors": errors, "id": 0}
+            if read_line(server, timeout=600) != '{"ready": true}\n':
+                stop_fork_server(SERVERS.pop(key), now=True)
+                errors.seek(0)
+                raise RuntimeError(f"tests/fork_server.py did not start:\n{errors.read().decode()[-3000:]}")
+        entry = SERVERS[key]
+    with entry["lock"]:
+        entry["id"] += 1
+        request = dict(request, id=entry["id"], env=env)
+        try:
+            entry["process"].stdin.write((json.dumps(request) + "\n").encode())
+            entry["process"].stdin.flush()
+            line = read_line(entry["process"], timeout=request["timeout"] + 60)
+            reply = json.loads(line) if line else None
+            if reply is None or reply["id"] != request["id"]:
+                raise RuntimeError(f"tests/fork_server.py stopped or did not answer in time ({line!r})")
+        except BaseException:  # a server whose next reply would be this request's: killed with its ranks
+            with SERVERS_LOCK:
+                SERVERS.pop(key, None)
+            stop_fork_server(entry, now=True)
+            raise
     FORKED_CPU[0] += reply["cpu"]
     return reply
 
 
+def read_line(process, *, timeout):
+    """A line of `process`'s stdout within `timeout` seconds, else what came ('' at once if it stopped)."""
+    import select
+    import time
+
+    deadline, fd, data = time.time() + timeout, process.stdout.fileno(), b""
+    while not data.endswith(b"\n"):
+        if not select.select([fd], [], [], max(0.0, deadline - time.time()))[0]:
+            break
+        chunk = os.read(fd, 1 << 16)
+        if not chunk:
+            break
+        data += chunk
+    return data.decode()
+
+
+def stop_fork_server(entry, *, now=False):
+    """Close a fork server's stdin (it ends its loop) and wait for it; kill it (its ranks die with it) `now`
+    or if it does not stop within 10 s."""
+    process = entry["process"]
+    try:
+        if now:
+            raise OSError
+        process.stdin.close()
+        process.wait(timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        process.kill()
+        process.wait()
+    entry["errors"].close()
+
+
 def stop_fork_servers():
-    """At exit: each fork server's stdin closed (it ends its loop) and the server waited for."""
-    for server, _ in SERVERS.values():
-        server.stdin.close()
-        try:
-            server.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            server.kill()
+    """At exit: every fork server stopped."""
+    with SERVERS_LOCK:
+        for entry in SERVERS.values():
+            stop_fork_server(entry)
+        SERVERS.clear()
 
 
 HERE = threading.Lock()  # one script at a time in this process (sys.argv, the cwd, stdout are global)

@@ -169,30 +169,40 @@ def test_distributed_checks(tmp_path):
 @pytest.mark.parametrize("forked", [False, True], ids=["processes", "forked"])
 def test_the_rank_launcher_sets_the_group_and_stops_the_ranks_when_one_fails(tmp_path, forked):
     """tests/helpers.run_ranks, the tests' torchrun, with new processes and with ranks forked by
-    tests/fork_server.py: each rank gets its RANK, WORLD_SIZE and the same free MASTER_PORT, and its stdout
-    and stderr come back in rank order; when one rank fails the other (which would wait at its next
-    collective) is stopped at once and the failed rank's code is returned (a SystemExit's message printed, as
-    an interpreter prints it); a run past its timeout is stopped and raises."""
+    tests/fork_server.py, alike: each rank gets the environment given, its RANK, WORLD_SIZE and the same free
+    MASTER_PORT, and its stdout and stderr come back in rank order; a rank ends as a script's process ends
+    (its threads joined, then its atexit handlers; a SystemExit's message, an exception's last line, Ctrl-C's
+    -2);
+    when one rank fails the other (which would wait at its next collective) is stopped at once and the failed
+    rank's code is returned; a run past its timeout is stopped and raises."""
     import subprocess
     import sys
     import time
 
-    from helpers import run_ranks
+    from helpers import run_ranks, script_env
 
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = script_env()  # that of the 2-process runs: their fork server's, where one has started
     script = tmp_path / "rank.py"
-    script.write_text("import os, sys, time\nr = os.environ['RANK']\nprint(r, os.environ['WORLD_SIZE'], "
-                      "os.environ['MASTER_PORT'], flush=True)\nprint('err', r, file=sys.stderr)\n"
-                      "sys.exit(3) if r == '1' else time.sleep(60)\n")
+
+    def run(source, timeout=60):
+        script.write_text(source)
+        return run_ranks([sys.executable, str(script)], 2, env=env, timeout=timeout, forked=forked)
+
     t0 = time.time()
-    proc = run_ranks([sys.executable, str(script)], 2, env=env, timeout=60, forked=forked)
+    proc = run("import os, sys, time\nr = os.environ['RANK']\nprint(r, os.environ['WORLD_SIZE'], "
+               "os.environ['MASTER_PORT'], os.environ['OMP_NUM_THREADS'], flush=True)\n"
+               "print('err', r, file=sys.stderr)\nsys.exit(3) if r == '1' else time.sleep(60)\n")
     assert proc.returncode == 3 and time.time() - t0 < 30
     (zero, one) = [line.split() for line in proc.stdout.splitlines()]
-    assert zero[:2] == ["0", "2"] and one[:2] == ["1", "2"] and zero[2] == one[2]
+    assert zero[:2] == ["0", "2"] and one[:2] == ["1", "2"] and zero[2] == one[2] and zero[3] == one[3] == "1"
     assert proc.stderr == "err 0\nerr 1\n"
-    script.write_text("import sys\nsys.exit('a message')\n")
-    proc = run_ranks([sys.executable, str(script)], 2, env=env, timeout=60, forked=forked)
+    proc = run("import atexit, threading, time\natexit.register(print, 'atexit')\n"
+               "threading.Thread(target=lambda: (time.sleep(0.3), print('thread'))).start()\nprint('main')\n")
+    assert proc.returncode == 0 and proc.stdout == "main\nthread\natexit\n" * 2
+    proc = run("import sys\nsys.exit('a message')\n")
     assert proc.returncode == 1 and proc.stderr == "a message\na message\n"
-    script.write_text("import time\ntime.sleep(60)\n")
+    proc = run("raise ValueError('no')\n")
+    assert proc.returncode == 1 and proc.stderr.count("ValueError: no\n") == 2
+    assert run("raise KeyboardInterrupt\n").returncode == -2
     with pytest.raises(subprocess.TimeoutExpired):
-        run_ranks([sys.executable, str(script)], 2, env=env, timeout=1, forked=forked)
+        run("import time\ntime.sleep(60)\n", timeout=1)
