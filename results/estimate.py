@@ -185,6 +185,34 @@ COMMANDS = [
     ("Flow-GRPO, Wan2.1-T2V-14B, 480x832 x 33 frames, PickScore per frame (full FT, FSDP2, --detach-uncond)",
      "flow_grpo", WAN + "--model wan2.1-t2v-14b --resolution 480 --width 832 --num-frames 33 --group-size 4 "
      "--prompts-per-iteration 16 --micro-batch 1 --full-finetune --no-ema --detach-uncond", 8),
+    # the README's Wan recipe lines (the paths aside)
+    ("Flow-GRPO, Wan2.1-T2V-1.3B, 240x416 x 33 frames, OCR of every 4th frame (LoRA, Flow-GRPO's recipe)",
+     "flow_grpo", "--model wan2.1-t2v-1.3b --text-cache runs/text-cache/wan --max-sequence-length 512 --rewards ocr "
+     "--frame-reduce stride:4 --num-frames 33 --resolution 240 --width 416 --num-steps 20 --eval-steps 50 "
+     "--guidance 4.5 --group-size 4 --prompts-per-iteration 32 --beta 0.004 --learning-rate 1e-4 "
+     "--clip-range 1e-3 --no-global-std", 8),
+    ("Flow-GRPO, Wan2.1-T2V-14B, 256 px x 5 frames, CLIP + PickScore per frame (LoRA, Flow-Factory's recipe)",
+     "flow_grpo", "--model wan2.1-t2v-14b --text-cache runs/text-cache/wan --max-sequence-length 512 "
+     "--num-frames 5 --resolution 256 --num-steps 10 --eval-steps 28 --guidance 5 --group-size 16 "
+     "--prompts-per-iteration 48 --noise-level 0.9 --beta 0 --learning-rate 1e-4 --lora-rank 64 --lora-alpha 128 "
+     "--rewards clip pickscore --reward-weights 1 0.5 --frame-reduce mean", 8),
+    ("DiffusionNFT, Wan2.1-T2V-1.3B, 480x832 x 1 frame, PickScore (LoRA, Flow-Factory's recipe)", "diffusion_nft",
+     "--model wan2.1-t2v-1.3b --text-cache runs/text-cache/wan --max-sequence-length 512 --num-frames 1 "
+     "--resolution 480 --width 832 --num-steps 12 --eval-steps 20 --guidance 5 --group-size 16 "
+     "--prompts-per-iteration 48 --nft-beta 0.1 --learning-rate 1e-4 --lora-rank 128 --lora-alpha 128 "
+     "--rewards pickscore", 8),
+    ("DanceGRPO, Wan2.1-T2V-1.3B, 512 px x 1 frame, HPS (DanceGRPO's recipe)", "dancegrpo",
+     "--model wan2.1-t2v-1.3b --text-cache runs/text-cache/wan --max-sequence-length 512 --num-frames 1 "
+     "--resolution 512 --num-steps 20 --noise-level 0.3 --shift 3 --group-size 12 --timestep-fraction 0.6 "
+     "--guidance 5 --learning-rate 1e-5 --rewards hps --frame-reduce first", 8),
+    ("DanceGRPO, Wan2.2-TI2V-5B, 704x1280 x 9 frames, HPS of every 4th frame (verl-omni's recipe)", "dancegrpo",
+     "--model wan2.2-ti2v-5b --text-cache runs/text-cache/wan --max-sequence-length 512 --num-frames 9 --fps 24 "
+     "--resolution 704 --width 1280 --num-steps 10 --eval-steps 50 --guidance 5 --group-size 8 "
+     "--prompts-per-iteration 64 --learning-rate 1e-5 --rewards hps --frame-reduce stride:4", 8),
+    ("AWM, Wan2.1-T2V-1.3B, 480x832 x 33 frames, VideoAlign VQ + MQ (ours)", "awm",
+     "--model wan2.1-t2v-1.3b --num-frames 33 --resolution 480 --width 832 --guidance 5 "
+     "--rewards videoalign_vq videoalign_mq --reward-combine advantages --videoalign-url http://127.0.0.1:18087 "
+     "--text-cache runs/text-cache/wan --max-sequence-length 512", 8),
 ]
 # evaluate.py's evaluation of FLUX.1-dev, modelled with rundir.Run.evaluate's phases
 EVALUATE = dict(name="evaluate.py, FLUX.1-dev, 720 px, 50 steps, 400 prompts, 8 GPUs", kind="flux",
