@@ -212,7 +212,7 @@ COMMANDS = [
     ("AWM, Wan2.1-T2V-1.3B, 480x832 x 33 frames, VideoAlign VQ + MQ (ours)", "awm",
      "--model wan2.1-t2v-1.3b --num-frames 33 --resolution 480 --width 832 --guidance 5 "
      "--rewards videoalign_vq videoalign_mq --reward-combine advantages --videoalign-url http://127.0.0.1:18087 "
-     "--text-cache runs/text-cache/wan --max-sequence-length 512", 8),
+     "--text-cache runs/text-cache/wan --max-sequence-length 512 --micro-batch 4", 8),  # at 12: 77.7 GiB
 ]
 # evaluate.py's evaluation of FLUX.1-dev, modelled with rundir.Run.evaluate's phases
 EVALUATE = dict(name="evaluate.py, FLUX.1-dev, 720 px, 50 steps, 400 prompts, 8 GPUs", kind="flux",
