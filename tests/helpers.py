@@ -198,11 +198,12 @@ def stop_fork_server(entry, *, now=False):
     or if it does not stop within 10 s."""
     process = entry["process"]
     try:
-        if now:
-            raise OSError
-        process.stdin.close()
-        process.wait(timeout=10)
+        if not now:
+            process.stdin.close()
+            process.wait(timeout=10)
     except (OSError, subprocess.TimeoutExpired):
+        pass
+    if process.poll() is None:
         process.kill()
         process.wait()
     entry["errors"].close()
