@@ -43,7 +43,13 @@ class Args:
     mixed_precision: Literal["no", "bf16"] = "bf16"
     """compute dtype on CUDA; the trainable weights and the SDE math stay float32"""
     resolution: int = 512
-    """image height and width in pixels"""
+    """image height (and width, unless --width) in pixels"""
+    width: int | None = None
+    """image width in pixels, where it differs from the height"""
+    num_frames: int | None = None
+    """frames per sample, for models whose samples have them (docs/video.md; none: the model's default)"""
+    fps: int = 16
+    """frames per second of the exported samples, and of what a reward receives, where samples have frames"""
     max_sequence_length: int = 128
     """prompt length in tokens (T5's, or the family's text encoder's)"""
     text_cache: str | None = None
@@ -200,7 +206,7 @@ def awm_log_prob(v, target, t: float, *, weighting: str, power: float):
     """AWM's log-likelihood of a re-noised sample (compute_log_prob_awm, train_sd3_awm.py:237-251): minus the
     flow-matching error mse = mean (v - (eps - x0))^2 in float64 under a weighting: "ghuber" -((mse + 1e-10)^p
     - 1e-10^p) t / p, "huber" -(sqrt(mse + 1e-10) - 1e-5) t, "Uniform" -mse, "t" -mse t, "t**2" -mse t^2."""
-    mse = ((v.double() - target.double()) ** 2).mean(dim=(1, 2, 3))
+    mse = ((v.double() - target.double()) ** 2).flatten(1).mean(1)
     if weighting == "ghuber":
         return -((mse + 1e-10) ** power - 1e-10**power) * t / power
     if weighting == "huber":
@@ -234,7 +240,7 @@ if __name__ == "__main__":
     run = start_run(args, script=__file__, check_args=check_args, planned_nfe=planned_nfe,
                     reference=args.beta > 0, copies=("kl_ema",))
     transformer, kind, rank, world, amp = run.transformer, run.kind, run.rank, run.world, run.amp
-    P, G, T, (C, H, W) = args.prompts_per_iteration // world, args.group_size, args.num_steps, run.shape
+    P, G, T, shape = args.prompts_per_iteration // world, args.group_size, args.num_steps, run.shape
     sigmas = pipeline_sigmas(run.pipe, kind, num_steps=T, shape=run.shape)  # the pipeline's schedule
     n_train = int(T * args.timestep_fraction)
     params, kl_ema = list(run.params.values()), run.copies["kl_ema"]  # the KL-EMA ("ema" adapter)
@@ -246,7 +252,7 @@ if __name__ == "__main__":
         train_steps = list(range(args.train_timesteps))
         prompts = [run.train_prompts[i] for i in torch.randint(len(run.train_prompts), (P,), generator=gen)]
         group = torch.arange(P).repeat_interleave(G)  # sample -> its prompt
-        x = torch.randn(P, G, C, H, W, generator=gen).reshape(P * G, C, H, W).to(run.device)
+        x = torch.randn(P, G, *shape, generator=gen).reshape(P * G, *shape).to(run.device)
         chunks = torch.arange(P * G).split(args.micro_batch)
         emb = encode_prompts(run.pipe, kind, prompts, max_sequence_length=args.max_sequence_length,
                              cfg=args.guidance)

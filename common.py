@@ -277,6 +277,7 @@ def coca_credit(advantages, x0_hats, final, *, window: int, alpha: float, group_
 # What differs between model families (FLUX.1, SD3, Qwen-Image, FLUX.2, Z-Image) is in models.FAMILIES[kind];
 # the functions here are the same for every family and look its entry up by the `kind` load_pipeline returns.
 MODEL_ALIASES = {"toy": os.path.join(HERE, "toy", "flux-shapes"),  # short --model names
+                 "toy-video": os.path.join(HERE, "toy", "wan-shapes"),
                  **{a: hub for f in FAMILIES.values() for a, hub in f["aliases"].items()}}
 NFE = {"count": 0}  # per-sample transformer evaluations (a CFG pair counts once), counted in velocity()
 
@@ -287,9 +288,9 @@ def load_pipeline(model: str, device, *, dtype=torch.float32):
     from diffusers import DiffusionPipeline
     path = MODEL_ALIASES.get(model, model)
     hub_id = path.count("/") == 1 and not path.startswith((".", "/", "~")) and not os.path.exists(path)
-    if model == "toy" and not os.path.isdir(path):
-        fail(f"the toy model is not at {path!r}: copy this project's toy/flux-shapes there (README: copying "
-             f"one file), or pass --model <a pipeline directory>")
+    if model in ("toy", "toy-video") and not os.path.isdir(path):
+        fail(f"the toy model is not at {path!r}: copy this project's toy/{os.path.basename(path)} there "
+             f"(README: copying one file), or pass --model <a pipeline directory>")
     if not os.path.isdir(path) and not hub_id:
         fail(f"model path {model!r} does not exist; pass a local pipeline directory, a hub id (owner/name) "
              f"or one of {sorted(MODEL_ALIASES)}")
@@ -342,9 +343,18 @@ def check_guidance(pipe, kind: str, guidance: float):
              f"guidance input and no CFG); pass --guidance 1")
 
 
-def latent_shape(pipe, kind: str, resolution: int) -> tuple:
-    """(C, H, W) of a square image's latents, or a one-line error if the model cannot take `resolution`."""
-    return FAMILIES[kind]["latent"](pipe, resolution)[0]
+def latent_shape(pipe, kind: str, resolution: int, *, width: int | None = None,
+                 frames: int | None = None) -> tuple:
+    """A sample's latent shape: (C, H, W) of an image `resolution` high and `width` (none: as high) wide, or
+    (C, F, H, W) where the family has frames (its entry's "frames"); else a one-line error."""
+    entry = FAMILIES[kind]
+    shape = entry["latent"](pipe, resolution if width in (None, resolution) else (resolution, width))[0]
+    if "frames" not in entry:
+        if frames not in (None, 1):
+            fail(f"--num-frames {frames} is not allowed for this {type(pipe).__name__} (it samples images); "
+                 f"pass --num-frames 1, or a video model")
+        return shape
+    return (shape[0], entry["frames"](pipe, frames), *shape[1:])
 
 
 def pipeline_sigmas(pipe, kind: str, *, num_steps: int, shape: tuple) -> torch.Tensor:
@@ -544,6 +554,33 @@ def as_reference(transformer, frozen=None):
 
 
 # ======== 3. Rewards (each fn(images [B, 3, H, W] in [0, 1], prompts) -> float32 [B]) and prompts ========
+def frame_indices(reduce: str, frames: int) -> list[int]:
+    """The frames --frame-reduce `reduce` (first, mean or stride:K; check_frame_reduce) scores of `frames`."""
+    return list(range(0, frames, frames if reduce == "first" else 1 if reduce == "mean" else int(reduce[7:])))
+
+
+def check_frame_reduce(reduce: str):
+    if not re.fullmatch(r"first|mean|stride:[1-9][0-9]*", reduce):
+        fail(f"--frame-reduce {reduce!r} is not allowed; use first, mean or stride:K (K >= 1)")
+
+
+def per_frame(fn, reduce: str):
+    """An image reward fn(images [B, 3, H, W], prompts) that scores videos [B, 3, F, H, W] too: the mean of
+    its scores of the frames `reduce` picks (frame_indices), each frame with its video's prompt; images as
+    they are. GenEval's evaluation dicts are averaged key by key."""
+    def scored(images, prompts, **kwargs):
+        if images.ndim != 5:
+            return fn(images, prompts, **kwargs)
+        b, c, f, h, w = images.shape
+        index = frame_indices(reduce, f)
+        frames = images[:, :, index].transpose(1, 2).reshape(b * len(index), c, h, w)
+        r = fn(frames, [p for p in prompts for _ in index], **kwargs)
+        mean = lambda t: t.float().view(b, len(index)).mean(1)  # noqa: E731
+        return {k: mean(v) for k, v in r.items()} if isinstance(r, dict) else mean(r)
+    scored.__dict__.update(fn.__dict__)  # GenEval's evaluation and breakdown
+    return scored
+
+
 @dataclasses.dataclass
 class RewardModels:
     """Where the reward models come from: local paths, or hub ids when the machine is online."""
@@ -576,6 +613,11 @@ class RewardModels:
     """GenEval: Flow-GRPO's reward server (github.com/yifan123/reward-server, app_geneval)"""
     deqa_url: str = "http://127.0.0.1:18086"
     """DeQA-Score: the same reward server (app_deqa)"""
+    videoalign_url: str = "http://127.0.0.1:18087"
+    """VideoAlign (KwaiVGI/VideoReward): a reward server that scores videos (docs/video.md: the protocol)"""
+    frame_reduce: str = "mean"
+    """the frames of a video that an image reward scores, averaged: first (DanceGRPO's Wan script, UniRL),
+    mean (all: Flow-Factory) or stride:K (every K-th from the first: verl-omni's K = 4)"""
     reward_timeout: float = 600.0
     """reward servers (unifiedreward, geneval, deqa): seconds a batch of images may take, every request and
     retry included; a server still silent or still sending then stops the run in one line"""
@@ -597,9 +639,11 @@ def loggable(args) -> dict:
 
 
 LEARNED = ["hps", "clip", "pickscore", "imagereward", "aesthetic", "unifiedreward", "ocr", "geneval",
-           "deqa"]  # rewards.py's models and clients
+           "deqa", "videoalign_vq", "videoalign_mq", "videoalign_ta"]  # rewards.py's models and clients
 TOY_REWARDS = ["toy_color_position", "toy_shape_count", "toy_strict",  # toy/world.py's exact rewards
                "toy_proxy"]  # and the learned proxy of the first two (toy/proxy.py)
+VIDEO_TOY_REWARDS = ["toy_frame", "toy_frame_first", "toy_frame_mean", "toy_motion", "toy_consistency",
+                     "toy_video_strict"]  # the moving-shapes world's (toy/video_world.py)
 
 
 def import_sibling(name: str):
@@ -616,7 +660,7 @@ def import_sibling(name: str):
 def check_rewards(names, models: RewardModels):
     """Unknown reward names, missing reward model files (rewards.check): one-line errors before loading."""
     for name in names:
-        known = LEARNED + list(REWARD_FUNCTIONS) + TOY_REWARDS
+        known = LEARNED + list(REWARD_FUNCTIONS) + TOY_REWARDS + VIDEO_TOY_REWARDS
         if name not in known:
             fail(f"unknown reward {name!r}; choose from {known}")
         if name in LEARNED:
@@ -639,21 +683,30 @@ def jpeg_compressibility(images, prompts):
 REWARD_FUNCTIONS = {"jpeg": jpeg_compressibility}
 
 
-def load_rewards(names, device, *, models: RewardModels, dtype=torch.float32) -> dict:
+def load_rewards(names, device, *, models: RewardModels, dtype=torch.float32, fps: int = 16) -> dict:
     """{name: fn(images, prompts) -> float32 [B]} for each named reward, loaded once: the towers held and run
-    in `dtype` (bf16 on GPUs), every projection, scale and head in float32 (docs/rewards.md: precision)."""
+    in `dtype` (bf16 on GPUs), every projection, scale and head in float32 (docs/rewards.md: precision). An
+    image reward scores a video's frames as models.frame_reduce says (per_frame); a video reward (fn.video:
+    VideoAlign, the moving-shapes world's) gets the whole clip, and VideoAlign its `fps`."""
     check_rewards(names, models)
     out = {}
     for name in dict.fromkeys(names):
         if name in LEARNED:  # the reward models' ports live in rewards.py (docs/contributing.md: layout)
-            out[name] = import_sibling("rewards").load(name, device, models=models, dtype=dtype)
+            rewards = import_sibling("rewards")
+            out[name] = rewards.load(name, device, models=models, dtype=dtype, fps=fps)
         elif name in REWARD_FUNCTIONS:
             out[name] = REWARD_FUNCTIONS[name]
         elif name == "toy_proxy":  # the toy world's learned proxy (toy/proxy.py), its weights checked now
             out[name] = import_sibling("toy.proxy").load_reward(device)
+        elif name in VIDEO_TOY_REWARDS:  # the moving-shapes world's exact rewards (toy/video_world.py)
+            world = import_sibling("toy.video_world")
+            strict = {"toy_video_strict": "toy_video_strict_accuracy"}
+            out[name] = getattr(world, strict.get(name, name + "_reward"))
         else:  # the toy world's exact rewards (toy/world.py)
             world = import_sibling("toy.world")
             out[name] = getattr(world, {"toy_strict": "toy_strict_accuracy"}.get(name, name + "_reward"))
+        if not getattr(out[name], "video", False):
+            out[name] = per_frame(out[name], models.frame_reduce)
     return out
 
 
@@ -666,6 +719,8 @@ def score(rewards: dict, images, prompts, *, evaluation: bool = False) -> dict:
              "--learning-rate if it happened after some updates")
     out = {}
     for name, fn in rewards.items():
+        if getattr(fn, "video", False) and images.ndim != 5:
+            fail(f"reward {name!r} scores videos; this model samples images (pass a video model, e.g. Wan)")
         r = fn(images, prompts, evaluation=True) if evaluation and getattr(fn, "evaluation", False) else \
             fn(images, prompts)
         for key, r in (r if isinstance(r, dict) else {name: r}).items():
@@ -694,9 +749,10 @@ def load_prompt_set(path: str, *, split: str = "train", rewards=()) -> list[str]
     line (Flow-GRPO's GenEval metadata; each a Prompt), or 'toy': the toy world's grammar. If `rewards` name a
     toy reward, every prompt must be in its grammar; ocr and geneval: rewards.check_prompts (checked here,
     before any model loads)."""
-    if path == "toy":
-        toy_prompts = import_sibling("toy.world").toy_prompts
-        return toy_prompts(4096 if split == "train" else 1024, seed=0 if split == "train" else 1)
+    if path in ("toy", "toy-video"):
+        world = import_sibling("toy.world" if path == "toy" else "toy.video_world")
+        draw = world.toy_prompts if path == "toy" else world.video_prompts
+        return draw(4096 if split == "train" else 1024, seed=0 if split == "train" else 1)
     if os.path.isdir(path):
         fail(f"prompt file {path!r} is a directory; pass a text file with one prompt per line (or a .jsonl "
              f"file)")
@@ -740,14 +796,15 @@ def load_prompt_set(path: str, *, split: str = "train", rewards=()) -> list[str]
         fail(f"prompt file {path!r} is empty; it needs at least one prompt (one per line)")
     if {"ocr", "geneval"} & set(rewards):
         import_sibling("rewards").check_prompts(rewards, prompts, [f"line {n} of {path!r}" for n, _ in lines])
-    toy_rewards = [r for r in rewards if r.startswith("toy_")]
-    if toy_rewards:
-        parse_toy_prompt = import_sibling("toy.world").parse_toy_prompt
-        for p in prompts:
+    for module, parser, names, world in (("toy.world", "parse_toy_prompt", TOY_REWARDS, "toy-world"), (
+            "toy.video_world", "parse_video_prompt", VIDEO_TOY_REWARDS, "moving-shapes")):
+        wanted = [r for r in rewards if r in names]
+        parse = import_sibling(module).__dict__[parser] if wanted else None
+        for p in prompts if wanted else []:
             try:
-                parse_toy_prompt(p)
+                parse(p)
             except ValueError as e:
-                fail(f"prompt file {path!r}: {e}; the rewards {toy_rewards} score toy-world prompts only")
+                fail(f"prompt file {path!r}: {e}; the rewards {wanted} score {world} prompts only")
     return prompts
 
 
@@ -772,6 +829,7 @@ ARG_RANGES = {
     "ema_every": "[1, 1e9]", "num_iterations": "[1, 1e9]", "eval_every": "[0, 1e9]", "eval_num": "[1, 1e7]",
     "save_every": "[0, 1e9]", "keep_checkpoints": "[0, 1e9]", "log_images_every": "[0, 1e9]",
     "reward_timeout": "(0, 86400]", "reward_retries": "[0, 100]", "threads": "[1, 4096]",
+    "width": "[1, 16384]", "num_frames": "[1, 1024]", "fps": "(0, 1000]",
     # algorithm specific: CoCA, DenseGRPO, G2RPO, MixGRPO, DiffusionNFT, AWM, DGPO, Flow-DPPO
     "coca_window": "[1, 1000]", "coca_alpha": "[0, 1]", "dense_ode_steps": "[1, 1000]", "eps1": "(0, 1e4]",
     "eps2": "(0, 10]", "psi_range": "[0, 10]", "sde_steps": "[0, 1000]", "lambdas": "[1, 1000]",
@@ -824,6 +882,7 @@ def check_common_args(args, world: int):
         fail(f"--group-size {args.group_size} is not allowed; GRPO needs at least 2 images per prompt")
     check_ranges(args, ARG_RANGES)
     check_ranges(args.reward_models, ARG_RANGES)  # --reward-timeout, --reward-retries
+    check_frame_reduce(args.reward_models.frame_reduce)
     if args.prompts_per_iteration % world:
         fail(f"--prompts-per-iteration {args.prompts_per_iteration} is not a positive multiple of the world "
              f"size {world}")

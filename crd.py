@@ -46,7 +46,13 @@ class Args:
     mixed_precision: Literal["no", "bf16"] = "bf16"
     """compute dtype on CUDA; the trainable weights and the SDE math stay float32"""
     resolution: int = 512
-    """image height and width in pixels"""
+    """image height (and width, unless --width) in pixels"""
+    width: int | None = None
+    """image width in pixels, where it differs from the height"""
+    num_frames: int | None = None
+    """frames per sample, for models whose samples have them (docs/video.md; none: the model's default)"""
+    fps: int = 16
+    """frames per second of the exported samples, and of what a reward receives, where samples have frames"""
     max_sequence_length: int = 256
     """prompt length in tokens (T5's, or the family's text encoder's)"""
     text_cache: str | None = None
@@ -275,7 +281,7 @@ if __name__ == "__main__":
     run = start_run(args, script=__file__, check_args=check_args, planned_nfe=planned_nfe,
                     reference=args.beta > 0, copies=("old", "sampling"))
     transformer, kind, rank, world, amp = run.transformer, run.kind, run.rank, run.world, run.amp
-    P, G, T, (C, H, W) = args.prompts_per_iteration // world, args.group_size, args.num_steps, run.shape
+    P, G, T, shape = args.prompts_per_iteration // world, args.group_size, args.num_steps, run.shape
     sigmas = pipeline_sigmas(run.pipe, kind, num_steps=T, shape=run.shape)  # the pipeline's schedule
     params, old, sampling = list(run.params.values()), run.copies["old"], run.copies["sampling"]
 
@@ -288,7 +294,7 @@ if __name__ == "__main__":
         prompts = [run.train_prompts[i] for i in draws]
         prompts = prompts[rank * P:(rank + 1) * P]  # this rank's: 1 and N processes train the same samples
         group = torch.arange(P).repeat_interleave(G)  # sample -> its prompt
-        x = torch.randn(world * P * G, C, H, W, generator=gen)[rank * P * G:][:P * G].to(run.device)
+        x = torch.randn(world * P * G, *shape, generator=gen)[rank * P * G:][:P * G].to(run.device)
         latents = [x]
         chunks = torch.arange(P * G).split(args.micro_batch)
         emb = encode_prompts(run.pipe, kind, prompts, max_sequence_length=args.max_sequence_length,
@@ -321,12 +327,12 @@ if __name__ == "__main__":
         for u, minibatch in enumerate(minibatches):
             terms = micro_batches(minibatch, steps=train_steps, part=run.part)  # every sample has a loss
             # the forward process's noise of each step, drawn alike on all ranks
-            eps = [torch.randn(P * G * world, C, H, W, generator=same_on_ranks)[rank * P * G:][:P * G].clone()
+            eps = [torch.randn(P * G * world, *shape, generator=same_on_ranks)[rank * P * G:][:P * G].clone()
                    for _ in train_steps]
             for j, c, scale in terms:
                 emb_c = select(emb, group[c])
                 sigma = sigmas[timesteps[c, j]].to(run.device)
-                t = sigma.view(-1, 1, 1, 1)
+                t = sigma.view(-1, *[1] * len(shape))
                 x0 = latents[T][c]  # the sample
                 x_t = (1 - t) * x0 + t * eps[j][c].to(run.device)  # the forward process, fresh noise
                 target = eps[j][c].to(run.device) - x0  # the flow-matching velocity (crd.py:736)
@@ -337,7 +343,7 @@ if __name__ == "__main__":
                                  detach_uncond=args.detach_uncond).float()
                 # the implicit reward (crd.py:753-777): the old model's error minus the policy's, each over
                 # its detached mean absolute error in float64 (adaptive_logp)
-                dims = (1, 2, 3)
+                dims = tuple(range(1, 1 + len(shape)))
                 weight = lambda w: (w.detach().double() - target).abs().mean(  # noqa: E731
                     dims, keepdim=True).clip(min=1e-5) if args.adaptive_weights else 1.0
                 r_theta = -((v - target) ** 2 / weight(v) - (v_old - target) ** 2 / weight(v_old)).mean(dims)

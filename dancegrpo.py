@@ -44,7 +44,13 @@ class Args:
     mixed_precision: Literal["no", "bf16"] = "bf16"
     """compute dtype on CUDA; the trainable weights and the SDE math stay float32"""
     resolution: int = 720
-    """image height and width in pixels"""
+    """image height (and width, unless --width) in pixels"""
+    width: int | None = None
+    """image width in pixels, where it differs from the height"""
+    num_frames: int | None = None
+    """frames per sample, for models whose samples have them (docs/video.md; none: the model's default)"""
+    fps: int = 16
+    """frames per second of the exported samples, and of what a reward receives, where samples have frames"""
     max_sequence_length: int = 512
     """prompt length in tokens (T5's, or the family's text encoder's)"""
     text_cache: str | None = None
@@ -219,7 +225,7 @@ if __name__ == "__main__":
     run = start_run(args, script=__file__, check_args=check_args, planned_nfe=planned_nfe,
                     reference=args.beta > 0)
     transformer, kind, rank, world, amp = run.transformer, run.kind, run.rank, run.world, run.amp
-    P, G, T, (C, H, W) = args.prompts_per_iteration // world, args.group_size, args.num_steps, run.shape
+    P, G, T, shape = args.prompts_per_iteration // world, args.group_size, args.num_steps, run.shape
     sigmas = shifted_sigmas(T, shift=args.shift)  # DanceGRPO's schedule (evaluation: the pipeline's)
     n_train = int((T - 1) * args.timestep_fraction)
 
@@ -234,8 +240,8 @@ if __name__ == "__main__":
         noise_levels = [args.noise_level] * (T - 1) + [0.0]  # the last step is x - sigma v (its x0_hat)
         prompts = [run.train_prompts[i] for i in torch.randint(len(run.train_prompts), (P,), generator=gen)]
         group = torch.arange(P).repeat_interleave(G)  # sample -> its prompt
-        x = torch.randn(P, 1, C, H, W, generator=gen)  # one initial noise per group, as its scripts
-        x = x.expand(P, G, C, H, W).reshape(P * G, C, H, W).to(run.device)
+        x = torch.randn(P, 1, *shape, generator=gen)  # one initial noise per group, as its scripts
+        x = x.expand(P, G, *shape).reshape(P * G, *shape).to(run.device)
         latents = [x]
         old_log_probs = []
         chunks = torch.arange(P * G).split(args.micro_batch)
@@ -296,7 +302,7 @@ if __name__ == "__main__":
                     # official: / (2 std_dev_t^2) with std_dev_t^2 = std^2 / |dt|; exact: / (2 std^2)
                     step = float(sigmas[j] - sigmas[j + 1])  # |dt|
                     kl_var = std**2 if args.kl_form == "exact" else std**2 / step
-                    kl = ((mean - mean_ref) ** 2).mean(dim=(1, 2, 3)).mean() / (2 * kl_var)
+                    kl = ((mean - mean_ref) ** 2).flatten(1).mean(1).mean() / (2 * kl_var)
                 loss = policy_loss + args.beta * kl
                 (loss * scale).backward()  # scale: this term's share of the mini-batch's mean
                 log_ratio = log_prob - old_log_probs[j][c]

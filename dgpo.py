@@ -43,7 +43,13 @@ class Args:
     mixed_precision: Literal["no", "bf16"] = "bf16"
     """compute dtype on CUDA; the trainable weights and the SDE math stay float32"""
     resolution: int = 512
-    """image height and width in pixels"""
+    """image height (and width, unless --width) in pixels"""
+    width: int | None = None
+    """image width in pixels, where it differs from the height"""
+    num_frames: int | None = None
+    """frames per sample, for models whose samples have them (docs/video.md; none: the model's default)"""
+    fps: int = 16
+    """frames per second of the exported samples, and of what a reward receives, where samples have frames"""
     max_sequence_length: int = 128
     """prompt length in tokens (T5's, or the family's text encoder's)"""
     text_cache: str | None = None
@@ -206,7 +212,7 @@ if __name__ == "__main__":
     run = start_run(args, script=__file__, check_args=check_args, planned_nfe=planned_nfe,
                     reference=args.beta > 0 or not args.ema_reference, copies=("ema_ref",))
     transformer, kind, rank, world, amp = run.transformer, run.kind, run.rank, run.world, run.amp
-    P, G, T, (C, H, W) = args.prompts_per_iteration // world, args.group_size, args.num_steps, run.shape
+    P, G, T, shape = args.prompts_per_iteration // world, args.group_size, args.num_steps, run.shape
     sigmas, model_sigmas = dpm_schedule(T, shift=args.flow_shift)  # DGPO's schedule (for every family)
     params, ema_ref = list(run.params.values()), run.copies["ema_ref"]  # the EMA reference (train:629)
 
@@ -217,7 +223,7 @@ if __name__ == "__main__":
         train_steps = list(range(args.train_timesteps))
         prompts = [run.train_prompts[i] for i in torch.randint(len(run.train_prompts), (P,), generator=gen)]
         group = torch.arange(P).repeat_interleave(G)  # sample -> its prompt
-        x = torch.randn(P, G, C, H, W, generator=gen).reshape(P * G, C, H, W).to(run.device)
+        x = torch.randn(P, G, *shape, generator=gen).reshape(P * G, *shape).to(run.device)
         chunks = torch.arange(P * G).split(args.micro_batch)
         emb = encode_prompts(run.pipe, kind, prompts, max_sequence_length=args.max_sequence_length,
                              cfg=args.guidance)
@@ -246,7 +252,7 @@ if __name__ == "__main__":
         minibatches = [groups[:, i].flatten() for i in torch.arange(P).tensor_split(parts)]
         # M distinct steps of the first trunc_steps + 1 (train:1062-1064), a noise per group and step (:1102)
         times = model_sigmas[torch.randperm(args.trunc_steps + 1, generator=same_on_ranks)]  # the first M
-        noise = torch.randn(len(train_steps), P, C, H, W, generator=gen)
+        noise = torch.randn(len(train_steps), P, *shape, generator=gen)
         terms = []
         for minibatch in minibatches:
             drawn = micro_batches(minibatch, steps=train_steps, part=run.part)
@@ -267,7 +273,7 @@ if __name__ == "__main__":
                         v_ref = velocity(reference, kind, x_t, t, emb_c,
                                          guidance=args.guidance)
                 # each image's flow-matching error (train:1132)
-                error = lambda w: ((eps - x0[c] - w.double()) ** 2).mean(dim=(1, 2, 3))  # noqa: E731
+                error = lambda w: ((eps - x0[c] - w.double()) ** 2).flatten(1).mean(1)  # noqa: E731
                 mse, mse_ema = error(v), error(v_ema)
                 mse_ref = mse_ema if args.ema_reference else error(v_ref)  # use_ema_ref (train:1122-1124)
                 # the clip (clip_dsm, train:1133-1144): detached once past 1 +- eps in the direction of A

@@ -47,7 +47,13 @@ class Args:
     mixed_precision: Literal["no", "bf16"] = "bf16"
     """compute dtype on CUDA; the trainable weights and the SDE math stay float32"""
     resolution: int = 512
-    """image height and width in pixels"""
+    """image height (and width, unless --width) in pixels"""
+    width: int | None = None
+    """image width in pixels, where it differs from the height"""
+    num_frames: int | None = None
+    """frames per sample, for models whose samples have them (docs/video.md; none: the model's default)"""
+    fps: int = 16
+    """frames per second of the exported samples, and of what a reward receives, where samples have frames"""
     max_sequence_length: int = 128
     """prompt length in tokens (T5's, or the family's text encoder's)"""
     text_cache: str | None = None
@@ -179,7 +185,7 @@ def sde_step(v, x, sigmas, i: int, noise_level: float, *, prev_sample=None, gene
     ODE's Euler step (log-prob 0). Returns (x_next, log_prob, mean, std)."""
     v, x = v.float(), x.float()
     sigma, dt = float(sigmas[i]), float(sigmas[i + 1]) - float(sigmas[i])
-    below = float(sigmas[1]) if sigma == 1 else sigma  # official: sigma = 1 -> sigmas[1] in the denominator
+    below = float(sigmas[1]) if sigma > 1 - 1e-4 else sigma  # official: sigma = 1 -> sigmas[1] (and 1 - 1e-6)
     g = noise_level * math.sqrt(sigma / (1 - below))
     mean, std = x + (v + g**2 / (2 * sigma) * (x + (1 - sigma) * v)) * dt, g * math.sqrt(-dt)
     if prev_sample is None:
@@ -238,7 +244,7 @@ if __name__ == "__main__":
     run = start_run(args, script=__file__, check_args=check_args, planned_nfe=planned_nfe,
                     reference=False, copies=("ref",))
     transformer, kind, rank, world, amp = run.transformer, run.kind, run.rank, run.world, run.amp
-    P, G, T, (C, H, W) = args.prompts_per_iteration // world, args.group_size, args.num_steps, run.shape
+    P, G, T, shape = args.prompts_per_iteration // world, args.group_size, args.num_steps, run.shape
     sigmas = pipeline_sigmas(run.pipe, kind, num_steps=T, shape=run.shape)  # the pipeline's schedule
     n_train = int(T * args.timestep_fraction)
     params, ref = list(run.params.values()), run.copies["ref"]  # the reference (the "ref" adapter)
@@ -254,7 +260,7 @@ if __name__ == "__main__":
         noise_levels = [args.noise_level if i < T - 1 else 0.0 for i in range(T)]
         prompts = [run.train_prompts[i] for i in torch.randint(len(run.train_prompts), (P,), generator=gen)]
         group = torch.arange(P).repeat_interleave(G)  # sample -> its prompt
-        x = torch.randn(P, G, C, H, W, generator=gen).reshape(P * G, C, H, W).to(run.device)
+        x = torch.randn(P, G, *shape, generator=gen).reshape(P * G, *shape).to(run.device)
         latents = [x]
         chunks = torch.arange(P * G).split(args.micro_batch)
         emb = encode_prompts(run.pipe, kind, prompts, max_sequence_length=args.max_sequence_length,
@@ -290,14 +296,14 @@ if __name__ == "__main__":
                                            micro_batches=micro_batches_per_rank, generator=same_on_ranks)
         # per term and pair a noise level and a noise, the winner's and the loser's alike (train:876-895)
         train_sigmas = logit_normal_sigmas(n_train * P, shift=args.flow_shift, generator=gen).view(n_train, P)
-        noise = torch.randn(n_train, P, C, H, W, generator=gen)
+        noise = torch.randn(n_train, P, *shape, generator=gen)
         for u, minibatch in enumerate(minibatches):
             terms = micro_batches(minibatch, steps=train_steps, part=part)
             for j, c, scale in terms:
                 rows = torch.cat([winner[c], loser[c]])  # the winners, then the losers
                 emb_c = select(emb, group[rows])
                 sigma = train_sigmas[j][c].repeat(2).to(run.device)
-                t, eps = sigma.view(-1, 1, 1, 1), noise[j][c].repeat(2, 1, 1, 1).to(run.device)
+                t, eps = sigma.view(-1, *[1] * len(shape)), torch.cat([noise[j][c]] * 2).to(run.device)
                 x0 = latents[T][rows]  # the samples
                 x_t = (1 - t) * x0 + t * eps  # the forward process, fresh noise
                 with torch.no_grad(), amp, swapped_in(params, ref):  # before the graph needs the weights
@@ -306,7 +312,7 @@ if __name__ == "__main__":
                     v = velocity(transformer, kind, x_t, sigma, emb_c, guidance=args.guidance,
                                  detach_uncond=args.detach_uncond)
                 # each image's flow-matching error against the target noise - x0, in float64 (train:916-919)
-                error = lambda w: ((w.double() - (eps - x0).double()) ** 2).mean(dim=(1, 2, 3))  # noqa: E731
+                error = lambda w: ((w.double() - (eps - x0).double()) ** 2).flatten(1).mean(1)  # noqa: E731
                 mse, mse_ref = error(v), error(v_ref)
                 w_diff, l_diff = (mse - mse_ref).chunk(2)  # the winners', the losers' (train:921-927)
                 inside_term = -0.5 * args.beta_dpo * (w_diff - l_diff)

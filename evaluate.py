@@ -43,11 +43,11 @@ from typing import Literal
 import torch
 import tyro
 
-from common import (ARG_RANGES, MODEL_ALIASES, RewardModels, as_reference, broadcast_object, check_guidance,
-                    check_output_path, check_ranges, check_rewards, close_distributed, decode,
-                    drop_text_encoders, encode_prompts, fail, gather_cat, latent_shape, load_pipeline,
-                    load_prompt_set, load_rewards, loggable, ode_complete, pipeline_sigmas, place, score,
-                    select, setup_distributed, velocity)
+from common import (ARG_RANGES, MODEL_ALIASES, RewardModels, as_reference, broadcast_object,
+                    check_frame_reduce, check_guidance, check_output_path, check_ranges, check_rewards,
+                    close_distributed, decode, drop_text_encoders, encode_prompts, fail, gather_cat,
+                    latent_shape, load_pipeline, load_prompt_set, load_rewards, loggable, ode_complete,
+                    pipeline_sigmas, place, score, select, setup_distributed, velocity)
 from rundir import (check_model_directory, decimals, hold_run_directory, latest_checkpoint, paired_change,
                     parse_args, read_run_json, safetensors_header, stop_on_write_error, use_checkpoint,
                     weights_fingerprint, write_atomically)
@@ -86,7 +86,13 @@ class Args:
     guidance: float = 3.5
     """Flux guidance embedding, or SD3 classifier-free guidance with an empty negative prompt (SD3: 4.5)"""
     resolution: int = 1024
-    """image height and width in pixels (the SD3 papers: 512)"""
+    """image height (and width, unless --width) in pixels (the SD3 papers: 512)"""
+    width: int | None = None
+    """image width in pixels, where it differs from the height"""
+    num_frames: int | None = None
+    """frames per sample, for models whose samples have them (docs/video.md; none: the model's default)"""
+    fps: int = 16
+    """frames per second of what a reward receives, where samples have frames"""
     max_sequence_length: int = 512
     """T5 prompt length in tokens (the SD3 papers: 128)"""
     micro_batch: int = 4
@@ -259,6 +265,7 @@ def check_args(args) -> tuple[list[dict], list[tuple[str, int]]]:
     the pairs (prompt, noise seed), or a one-line error."""
     check_ranges(args, ARG_RANGES)
     check_ranges(args.reward_models, ARG_RANGES)
+    check_frame_reduce(args.reward_models.frame_reduce)
     if not args.base and not args.checkpoints:
         fail("nothing to evaluate: pass --checkpoints, or keep --base")
     if os.path.isfile(args.out):
@@ -351,7 +358,8 @@ def table(args, entries: list[dict], scores: list[dict], *, num_prompts: int, ki
     first = entries[0]["name"]
     head = (f"## {args.model} ({kind}): {num_prompts} prompts x {args.seeds_per_prompt} seed(s) = {pairs} "
             f"pairs of {args.prompts}\n\nODE with the pipeline's schedule: {args.steps} steps, guidance "
-            f"{args.guidance}, {args.resolution} px, {args.max_sequence_length} tokens, seed {args.seed}. "
+            f"{args.guidance}, {args.resolution}{f' x {args.width}' * bool(args.width)} px, "
+            f"{args.max_sequence_length} tokens, seed {args.seed}. "
             f"Each metric: mean +- standard error over the pairs; change: the paired difference from {first} "
             f"on the same pairs +- its paired standard error.\n")
     metrics = list(scores[0])  # --metrics, and GenEval's accuracies (per tag)
@@ -387,7 +395,8 @@ if __name__ == "__main__":
     use_bf16 = args.mixed_precision == "bf16" and device.type == "cuda"
     compute_dtype = torch.bfloat16 if use_bf16 else torch.float32
     # the metrics first: a reward file that cannot be read fails before the large model loads
-    rewards = load_rewards(args.metrics, device, models=args.reward_models, dtype=torch.float32)
+    rewards = load_rewards(args.metrics, device, models=args.reward_models, dtype=torch.float32,
+                           fps=args.fps)
     pipe, kind = load_pipeline(args.model, "cpu", dtype=compute_dtype)  # the text encoders first, alone
     check_guidance(pipe, kind, args.guidance)
     base = pipe.transformer
@@ -400,14 +409,14 @@ if __name__ == "__main__":
                   f"architecture than --model {args.model!r} holds (base fingerprint "
                   f"{entry['base_weights']}, here {base_weights}): it is scored on this model as it is",
                   file=sys.stderr, flush=True)
-    C, H, W = latent_shape(pipe, kind, args.resolution)
-    sigmas = pipeline_sigmas(pipe, kind, num_steps=args.steps, shape=(C, H, W))
+    shape = latent_shape(pipe, kind, args.resolution, width=args.width, frames=args.num_frames)
+    sigmas = pipeline_sigmas(pipe, kind, num_steps=args.steps, shape=shape)
 
     # this rank's contiguous share of the pairs, padded with the last pair to equal shares
     share = -(-len(pairs) // world)
     mine = [pairs[min(k, len(pairs) - 1)] for k in range(rank * share, (rank + 1) * share)]
     prompts = [p for p, _ in mine]
-    noise = torch.stack([torch.randn(C, H, W, generator=torch.Generator().manual_seed(s)) for _, s in mine])
+    noise = torch.stack([torch.randn(shape, generator=torch.Generator().manual_seed(s)) for _, s in mine])
     emb = encode_prompts(pipe, kind, prompts, max_sequence_length=args.max_sequence_length, cfg=args.guidance,
                          device=device)
     drop_text_encoders(pipe)  # every prompt is encoded: no text encoder is kept (FLUX.2 [dev]'s: 23B)

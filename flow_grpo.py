@@ -44,7 +44,13 @@ class Args:
     mixed_precision: Literal["no", "bf16"] = "bf16"
     """compute dtype on CUDA; the trainable weights and the SDE math stay float32"""
     resolution: int = 512
-    """image height and width in pixels"""
+    """image height (and width, unless --width) in pixels"""
+    width: int | None = None
+    """image width in pixels, where it differs from the height"""
+    num_frames: int | None = None
+    """frames per sample, for models whose samples have them (docs/video.md; none: the model's default)"""
+    fps: int = 16
+    """frames per second of the exported samples, and of what a reward receives, where samples have frames"""
     max_sequence_length: int = 128
     """prompt length in tokens (T5's, or the family's text encoder's)"""
     text_cache: str | None = None
@@ -186,7 +192,7 @@ def sde_step(v, x, sigmas, i: int, noise_level: float, *, prev_sample=None, gene
     ODE's Euler step (log-prob 0). Returns (x_next, log_prob, mean, std)."""
     v, x = v.float(), x.float()
     sigma, dt = float(sigmas[i]), float(sigmas[i + 1]) - float(sigmas[i])
-    below = float(sigmas[1]) if sigma == 1 else sigma  # official: sigma = 1 -> sigmas[1] in the denominator
+    below = float(sigmas[1]) if sigma > 1 - 1e-4 else sigma  # official: sigma = 1 -> sigmas[1] (and 1 - 1e-6)
     g = noise_level * math.sqrt(sigma / (1 - below))
     mean, std = x + (v + g**2 / (2 * sigma) * (x + (1 - sigma) * v)) * dt, g * math.sqrt(-dt)
     if prev_sample is None:
@@ -228,7 +234,7 @@ if __name__ == "__main__":
     run = start_run(args, script=__file__, check_args=check_args, planned_nfe=planned_nfe,
                     reference=args.beta > 0)
     transformer, kind, rank, world, amp = run.transformer, run.kind, run.rank, run.world, run.amp
-    P, G, T, (C, H, W) = args.prompts_per_iteration // world, args.group_size, args.num_steps, run.shape
+    P, G, T, shape = args.prompts_per_iteration // world, args.group_size, args.num_steps, run.shape
     sigmas = pipeline_sigmas(run.pipe, kind, num_steps=T, shape=run.shape)  # the pipeline's schedule
     n_train = int(T * args.timestep_fraction)
 
@@ -240,7 +246,7 @@ if __name__ == "__main__":
         noise_levels = [args.noise_level if i < T - 1 or i in train_steps else 0.0 for i in range(T)]
         prompts = [run.train_prompts[i] for i in torch.randint(len(run.train_prompts), (P,), generator=gen)]
         group = torch.arange(P).repeat_interleave(G)  # sample -> its prompt
-        x = torch.randn(P, G, C, H, W, generator=gen).reshape(P * G, C, H, W).to(run.device)
+        x = torch.randn(P, G, *shape, generator=gen).reshape(P * G, *shape).to(run.device)
         latents = [x]
         old_log_probs = []
         old_means = []  # GRPO-Guard: each step's mean in the rollout
@@ -314,7 +320,7 @@ if __name__ == "__main__":
                     # official: / (2 std_dev_t^2) with std_dev_t^2 = std^2 / |dt|; exact: / (2 std^2)
                     step = float(sigmas[j] - sigmas[j + 1])  # |dt|
                     kl_var = std**2 if args.kl_form == "exact" else std**2 / step
-                    kl = ((mean - mean_ref) ** 2).mean(dim=(1, 2, 3)).mean() / (2 * kl_var)
+                    kl = ((mean - mean_ref) ** 2).flatten(1).mean(1).mean() / (2 * kl_var)
                 loss = policy_loss + args.beta * kl
                 (loss * scale).backward()  # scale: this term's share of the mini-batch's mean
                 log_ratio = log_prob - old_log_probs[j][c]

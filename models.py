@@ -1,17 +1,21 @@
-"""The model families: what this project needs of a diffusers text-to-image pipeline, one entry per family in
-FAMILIES. The algorithm files never name a family: common.py's model functions (latent_shape, pipeline_sigmas,
-encode_prompts, velocity, decode, make_trainable, shard) look the loaded pipeline's entry up by its `kind`.
+"""The model families: what this project needs of a diffusers text-to-image (or text-to-video) pipeline,
+one entry per family in FAMILIES. The algorithm files never name a family: common.py's model functions
+(latent_shape, pipeline_sigmas, encode_prompts, velocity, decode, make_trainable, shard) look the loaded
+pipeline's entry up by its `kind`.
 
 An entry (a dict of plain functions and names) defines:
     pipelines       the diffusers pipeline classes it handles (by name)
     aliases         short --model names -> hub ids
-    latent          (pipe, resolution) -> (C, H, W) of the latents the samplers move, and the pixel multiple
+    latent          (pipe, resolution: pixels square, or (height, width)) -> (C, H, W) of the latents the
+                    samplers move, and the pixel multiple
+    frames          (video families only) (pipe, num_frames or None) -> the latent frames F: latents are then
+                    (C, F, H, W), and the samplers, log-probs and losses treat them as any other shape
     mu              (pipe, latent (C, H, W), num_steps) -> the schedule's shift parameter mu (None: no shift)
     base_sigmas     num_steps -> the noise levels before the shift (None: the scheduler's own, SD3)
     encode          (pipe, prompts, *, max_sequence_length, guidance, device) -> {name: [B, ...] tensors}
-    velocity        (transformer, x [B, C, H, W], t [B] float32 sigma, emb, *, guidance, detach_uncond) -> v,
-                    as dx/dsigma
-    decode          (pipe, latents [B, C, H, W]) -> the VAE's output in [-1, 1]
+    velocity        (transformer, x [B, C, H, W] or [B, C, F, H, W], t [B] float32 sigma, emb, *, guidance,
+                    detach_uncond) -> v, as dx/dsigma
+    decode          (pipe, latents) -> the VAE's output in [-1, 1]: [B, 3, H, W], or frames [B, 3, F, H, W]
     lora_targets    transformer -> the peft target module names (attention and MLP projections)
     blocks          transformer -> its blocks in order (FSDP2's units, activation checkpointing)
     transformers    its transformer classes (by name)
@@ -83,12 +87,15 @@ def padded(rows: list, length: int):
     return out, mask
 
 
-def square(resolution: int, *, f: int, mult: int, channels: int):
-    """(channels, resolution / f, resolution / f) of a square image, or a one-line error."""
-    if resolution < mult or resolution % mult:
-        raise SystemExit(f"error: --resolution {resolution} is not allowed for this model; use a positive "
-                         f"multiple of {mult}")
-    return (channels, resolution // f, resolution // f), mult
+def square(resolution, *, f: int, mult: int, channels: int):
+    """(channels, H / f, W / f) of an image `resolution` pixels square, or (height, width) pixels, or a
+    one-line error."""
+    h, w = resolution if isinstance(resolution, tuple) else (resolution, resolution)
+    for flag, size in (("--resolution", h), ("--width", w)):
+        if size < mult or size % mult:
+            raise SystemExit(f"error: {flag} {size} is not allowed for this model; use a positive "
+                             f"multiple of {mult}")
+    return (channels, h // f, w // f), mult
 
 
 # ======== FLUX.1 (FluxPipeline) ========
@@ -309,6 +316,68 @@ def zimage_velocity(transformer, x, t, emb, *, guidance, detach_uncond):
 
 ZIMAGE_BLOCKS = ("noise_refiner", "context_refiner", "layers")
 
+
+# ======== Wan2.1 / Wan2.2 (WanPipeline): video, latents [B, C, F, H, W] ========
+def wan_latent(pipe, resolution):
+    """(z_dim, H / f, W / f) of a frame, f the VAE's spatial factor (Wan2.1 8, Wan2.2-TI2V-5B 16), in
+    multiples of f times the transformer's 2x2 patches."""
+    if getattr(pipe, "transformer_2", None) is not None or pipe.transformer is None:
+        raise SystemExit(f"error: this {type(pipe).__name__} has two transformers (Wan2.2-T2V-A14B's high- "
+                         f"and low-noise experts, switched at boundary_ratio): not supported, the files "
+                         f"train one transformer (docs/video.md); use Wan2.1 or Wan2.2-TI2V-5B")
+    f, patch = pipe.vae_scale_factor_spatial, pipe.transformer.config.patch_size[-1]
+    return square(resolution, f=f, mult=f * patch, channels=pipe.vae.config.z_dim)
+
+
+def wan_frames(pipe, num_frames):
+    """The latent frames of a clip of `num_frames` (none: 33, Flow-GRPO's Wan recipe): the VAE keeps the first
+    frame and compresses each next 4 into one (prepare_latents), or a one-line error."""
+    k = pipe.vae_scale_factor_temporal
+    num_frames = 33 if num_frames is None else num_frames
+    if num_frames < 1 or (num_frames - 1) % k:
+        raise SystemExit(f"error: --num-frames {num_frames} is not allowed for this {type(pipe).__name__}; "
+                         f"use 1 + {k} k frames (1, {1 + k}, {1 + 2 * k}, ..., 33, ..., 81): its VAE keeps "
+                         f"the first frame and compresses each next {k} into one")
+    return (num_frames - 1) // k + 1
+
+
+def wan_encode(pipe, prompts, *, max_sequence_length, guidance, device):
+    """UMT5's last hidden states cut to each prompt's tokens and zero-padded to max_sequence_length (the
+    pipeline's encode_prompt; no mask: the transformer attends to the zeros); true CFG: "" as the negative
+    (the pipeline's default, and Flow-GRPO's train_wan2_1.py)."""
+    embeds, neg = pipe.encode_prompt(prompts, negative_prompt=[""] * len(prompts),
+                                     do_classifier_free_guidance=guidance > 1, device=device,
+                                     max_sequence_length=max_sequence_length)
+    return {"embeds": embeds, "neg_embeds": neg} if guidance > 1 else {"embeds": embeds}
+
+
+def wan_velocity(transformer, x, t, emb, *, guidance, detach_uncond):
+    """Latents [B, C, F, H, W] as they are; the timestep floor(1000 sigma), the integer timesteps the anchors'
+    schedulers give Wan (the UniPC scheduler's int64 timesteps: Flow-GRPO's wan_pipeline_with_logprob,
+    Flow-Factory's UniPCMultistepSDEScheduler; DanceGRPO: int(sigma * 1000)); true CFG as two forwards."""
+    dtype = next(transformer.parameters()).dtype
+    timestep = torch.floor(t.double() * 1000).float()
+
+    def forward(embeds):
+        return transformer(hidden_states=x.to(dtype), timestep=timestep,
+                           encoder_hidden_states=embeds.to(dtype), return_dict=False)[0]
+    v = forward(emb["embeds"])
+    if "neg_embeds" in emb and guidance > 1:
+        v = cfg(forward(emb["neg_embeds"]), v, guidance, detach_uncond=detach_uncond)
+    return v
+
+
+def wan_decode(pipe, z):
+    """Per-channel latent mean and std undone (as the pipeline writes it), the VAE tiled where a frame is
+    larger than its 256-pixel tiles (enable_tiling: 480x832 decodes in tiles, the toy's 32x32 in one):
+    frames [B, 3, F', H, W] in [-1, 1]."""
+    vae, c = pipe.vae, pipe.vae.config
+    if not vae.use_tiling:
+        vae.enable_tiling()
+    mean = torch.tensor(c.latents_mean).view(1, c.z_dim, 1, 1, 1).to(z.device, z.dtype)
+    std = 1.0 / torch.tensor(c.latents_std).view(1, c.z_dim, 1, 1, 1).to(z.device, z.dtype)
+    return vae.decode((z / std + mean).to(vae.dtype), return_dict=False)[0]
+
 FAMILIES = {
     "flux": {
         "call_guidance": lambda g: f"guidance_scale={g}",
@@ -370,6 +439,19 @@ FAMILIES = {
                                    "feed_forward.w1", "feed_forward.w2", "feed_forward.w3"],
         "blocks": lambda t: [b for name in ZIMAGE_BLOCKS for b in getattr(t, name)],
         "guidance": lambda pipe: "cfg0", "negative": ""},
+    "wan": {
+        "call_guidance": lambda g: f"guidance_scale={g}, negative_prompt=''",
+        "pipelines": ("WanPipeline",), "transformers": ("WanTransformer3DModel",),
+        "aliases": {"wan2.1-t2v-1.3b": "Wan-AI/Wan2.1-T2V-1.3B-Diffusers",
+                    "wan2.1-t2v-14b": "Wan-AI/Wan2.1-T2V-14B-Diffusers",
+                    "wan2.2-ti2v-5b": "Wan-AI/Wan2.2-TI2V-5B-Diffusers"},
+        "latent": wan_latent, "frames": wan_frames,
+        "mu": lambda pipe, latent, steps: None,  # the shipped UniPC scheduler's flow_shift, static
+        "base_sigmas": None, "encode": wan_encode, "velocity": wan_velocity, "decode": wan_decode,
+        "lora_targets": lambda t: [f"{a}.{p}" for a in ("attn1", "attn2") for p in ("to_q", "to_k", "to_v",
+                                                                                   "to_out.0")]
+        + ["ffn.net.0.proj", "ffn.net.2"],  # Flow-Factory's default_target_modules (models/wan/wan2_t2v.py)
+        "blocks": lambda t: list(t.blocks), "guidance": lambda pipe: "cfg", "negative": ""},
 }
 
 

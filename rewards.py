@@ -84,9 +84,11 @@ def check(name: str, models):
     exist, or UnifiedReward without a server, is a one-line error before any model loads."""
     if name == "unifiedreward" and not models.unifiedreward_url:
         fail("the unifiedreward reward needs --unifiedreward-url, the address of a server that serves it")
-    url = getattr(models, f"{name}_url") if name in ("geneval", "deqa", "unifiedreward") else None
+    server = name.split("_")[0] if name.startswith("videoalign_") else name
+    servers = ("geneval", "deqa", "unifiedreward", "videoalign")
+    url = getattr(models, f"{server}_url") if server in servers else None
     if url is not None:
-        check_url(url, f"--{name}-url")
+        check_url(url, f"--{server}-url")
     key = None if name != "unifiedreward" else (models.unifiedreward_api_key
                                                 or os.environ.get("UNIFIEDREWARD_API_KEY"))
     if key and not all("!" <= c <= "~" for c in key):  # never shown: a secret
@@ -144,8 +146,9 @@ def hub_file(spec: str, flag: str) -> str:
              f"path")
 
 
-def load(name: str, device, *, models, dtype=torch.float32):
-    """The reward `name` (one of common.LEARNED), from the locations in `models` (a common.RewardModels)."""
+def load(name: str, device, *, models, dtype=torch.float32, fps: int = 16):
+    """The reward `name` (one of common.LEARNED), from the locations in `models` (a common.RewardModels); a
+    video reward sends `fps` with the frames."""
     if name == "hps":
         checkpoint = hub_file(models.hps_checkpoint, "--hps-checkpoint")
         return open_clip_reward("ViT-H-14", device, checkpoint, pad_square=True, dtype=dtype)
@@ -169,6 +172,9 @@ def load(name: str, device, *, models, dtype=torch.float32):
                               retries=models.reward_retries)
     if name == "deqa":
         return deqa_reward(models.deqa_url, deadline=models.reward_timeout, retries=models.reward_retries)
+    if name.startswith("videoalign_"):
+        return videoalign_reward(models.videoalign_url, name[len("videoalign_"):].upper(), fps=fps,
+                                 deadline=models.reward_timeout, retries=models.reward_retries)
     fail(f"{name!r} is not a reward model of rewards.py")
 
 
@@ -837,4 +843,46 @@ def deqa_reward(url: str, *, deadline: float = 600, retries: int = 3):
             out += numbers(answer, "outputs", len(idx), url, low=0.199, high=1.001)
         return torch.tensor(out, dtype=torch.float32)
 
+    return score
+
+
+VIDEOALIGN_RANGE = 100.0  # |score| beyond this is no VideoAlign answer (its normalised scores: within +-10)
+_VIDEOALIGN_LAST = {}  # the last batch's answer: the three dimensions of one batch cost one request
+
+
+def videoalign_reward(url: str, dimension: str, *, fps: int, deadline: float = 600, retries: int = 3):
+    """One dimension (VQ visual quality, MQ motion quality, TA text alignment) of VideoAlign's VideoReward
+    model (KwaiVGI/VideoAlign; DanceGRPO's train_grpo_hunyuan.py calls its inferencer.reward(paths, prompts,
+    use_norm=True)) from a reward server. Per batch of <= 16 videos [B, 3, F, H, W] one request {"videos":
+    each video's frames as JPEG bytes, "fps": fps, "prompts": the prompts}; the answer {"VQ": [B], "MQ": [B],
+    "TA": [B]}, each value a finite number within +-VIDEOALIGN_RANGE. The three dimensions of the same videos
+    share one request (the answer is kept for the last batch, keyed by a hash of the frames)."""
+    import hashlib
+    import time
+
+    if dimension not in ("VQ", "MQ", "TA"):
+        fail(f"videoalign_{dimension.lower()} is not a VideoAlign dimension; use videoalign_vq, _mq or _ta")
+
+    def score(videos, prompts):
+        if videos.ndim != 5:
+            fail(f"videoalign_{dimension.lower()} scores videos [B, 3, F, H, W]; got {tuple(videos.shape)}")
+        b, c, f, h, w = videos.shape
+        frames, _ = jpeg_batches(videos.transpose(1, 2).reshape(b * f, c, h, w))
+        digest = hashlib.sha256(b"".join(frames) + repr((list(map(str, prompts)), fps, f)).encode())
+        key = (url, digest.hexdigest())
+        if _VIDEOALIGN_LAST.get("key") != key:
+            until = time.monotonic() + deadline
+            answer = {"VQ": [], "MQ": [], "TA": []}
+            for batch in torch.arange(b).split(16):
+                idx = batch.tolist()
+                body = {"videos": [frames[i * f:(i + 1) * f] for i in idx], "fps": fps,
+                        "prompts": [str(prompts[i]) for i in idx]}
+                reply = server_post(url, body, until=until, retries=retries)
+                for k in answer:
+                    answer[k] += numbers(reply, k, len(idx), url, low=-VIDEOALIGN_RANGE,
+                                         high=VIDEOALIGN_RANGE)
+            _VIDEOALIGN_LAST.update(key=key, answer=answer)
+        return torch.tensor(_VIDEOALIGN_LAST["answer"][dimension], dtype=torch.float32)
+
+    score.video = True
     return score

@@ -35,12 +35,12 @@ import typing
 import torch
 import torch.distributed as dist
 
-from common import (FAMILIES, JSON_DEPTH, MODEL_ALIASES, NFE, SECRETS, TEXT_ENCODERS, broadcast_object,
-                    check_guidance, close_distributed, decode, drop_text_encoders, ema_update, encode_prompts,
-                    fail, family_of, gather_cat, gathered, is_main_rank, latent_shape, load_pipeline,
-                    load_prompt_set, load_rewards, loggable, make_trainable, max_over_ranks, ode_complete,
-                    optimizer_step, parse_json, pipeline_sigmas, score, seed_everything, setup_distributed,
-                    shown, sum_over_ranks, swapped_in)
+from common import (FAMILIES, JSON_DEPTH, MODEL_ALIASES, NFE, SECRETS, TEXT_ENCODERS,
+                    broadcast_object, check_guidance, close_distributed, decode, drop_text_encoders,
+                    ema_update, encode_prompts, fail, family_of, gather_cat, gathered, is_main_rank,
+                    latent_shape, load_pipeline, load_prompt_set, load_rewards, loggable, make_trainable,
+                    max_over_ranks, ode_complete, optimizer_step, parse_json, pipeline_sigmas, score,
+                    seed_everything, setup_distributed, shown, sum_over_ranks, swapped_in)
 
 
 # ======== 0. The run ========
@@ -131,6 +131,30 @@ def type_name(hint) -> str:
     return getattr(origin or hint, "__name__", str(hint))
 
 
+TOY_VIDEO_WORLD = dict(  # the moving-shapes world (toy/video_world.py) on top of a file's TOY preset
+    model="toy-video", guidance=1.0, prompts="toy-video", eval_prompts="toy-video",  # no CFG: samples better
+    rewards=("toy_frame", "toy_motion"), eval_rewards=("toy_frame_first", "toy_frame_mean", "toy_consistency",
+                                                       "toy_video_strict"),
+    num_frames=9, fps=8,
+    metrics=("toy_frame_first", "toy_frame_mean", "toy_motion", "toy_consistency", "toy_video_strict"))
+
+
+def toy_world_of(model: str | None) -> str | None:
+    """"image" or "video" for a toy pipeline (by its alias, or by the toy_world.json its directory holds
+    wherever it was copied: toy/make_toy.py, toy/make_video_toy.py), else None."""
+    if model in ("toy", "toy-video"):
+        return "image" if model == "toy" else "video"
+    marker = os.path.join(model or "", "toy_world.json")
+    if not model or not os.path.isfile(marker):
+        return None
+    try:
+        with open(marker, "rb") as f:
+            about = parse_json(f.read((1 << 16) + 1), limit=1 << 16)
+    except (OSError, ValueError):
+        return "image"
+    return "video" if isinstance(about, dict) and about.get("world") == "video" else "image"
+
+
 def parse_args(args_class, *, toy: dict, description: str):
     """The command line parsed by tyro. With --model toy the TOY preset gives the defaults, and with --resume
     DIR the arguments its checkpoint recorded, so flags passed explicitly still win (resume_checkpoint says
@@ -138,16 +162,20 @@ def parse_args(args_class, *, toy: dict, description: str):
     import tyro
     argv = sys.argv[1:]
     given, resume = flag_values(argv, "--model"), flag_values(argv, "--resume")
-    # the toy pipeline, by its alias or by its toy_world.json wherever it was copied (toy/make_toy.py)
-    marker = bool(given) and os.path.isfile(os.path.join(given[-1], "toy_world.json"))
-    wants_toy = bool(given) and (given[-1] == "toy" or marker)
+    # the toy pipeline, by its alias or by its toy_world.json wherever it was copied (toy/make_toy.py,
+    # toy/make_video_toy.py: the moving-shapes world, rundir.TOY_VIDEO_WORLD over the file's preset)
+    world = toy_world_of(given[-1] if given else None)
+    wants_toy = world is not None
     saved = checkpoint_arguments(resume[-1]) if resume else None
-    default = dataclasses.replace(args_class(), **toy) if wants_toy else args_class()
+    fields = {f.name for f in dataclasses.fields(args_class)}
+    preset = {**toy, **{k: v for k, v in TOY_VIDEO_WORLD.items() if k in fields}} if world == "video" else toy
+    default = dataclasses.replace(args_class(), **preset) if wants_toy else args_class()
     if saved is not None:
         default = arguments_from(args_class, saved)
         description += " (--resume: the defaults below are the arguments its checkpoint recorded)"
     elif wants_toy:
-        description += " (--model toy: the defaults below are the file's TOY preset)"
+        alias, where = ("toy-video", " in the moving-shapes world") if world == "video" else ("toy", "")
+        description += f" (--model {alias}: the defaults below are the file's TOY preset{where})"
     try:
         args = tyro.cli(args_class, default=default, description=description)
         for i, a in enumerate(sys.argv):  # a secret never stays in sys.argv, which wandb uploads
@@ -212,7 +240,7 @@ def start_run(args, *, script: str, check_args, planned_nfe, reference: bool, co
         say(f"loading the rewards ({', '.join(dict.fromkeys(args.rewards + args.eval_rewards))}) and the "
             f"model {args.model}")
         eval_fns = load_rewards(args.rewards + args.eval_rewards, device, models=args.reward_models,
-                                dtype=compute_dtype)
+                                dtype=compute_dtype, fps=args.fps)
         sharded = args.full_finetune and world > 1  # FSDP2; LoRA runs average their gradients (DDP style)
         # on the CPU first: for the text cache's encoders, and for FSDP2, which moves each block's shards to
         # the GPU as it shards it (the whole model, and a reference copy, never sit on one GPU)
@@ -229,7 +257,7 @@ def start_run(args, *, script: str, check_args, planned_nfe, reference: bool, co
             fill_text_cache(pipe, kind, train_prompts + eval_prompts[:args.eval_num],
                             directory=args.text_cache, device=device,
                             max_sequence_length=args.max_sequence_length, cfg=args.guidance)
-        shape = latent_shape(pipe, kind, args.resolution)
+        shape = latent_shape(pipe, kind, args.resolution, width=args.width, frames=args.num_frames)
         lora = None if args.full_finetune else (args.lora_rank, args.lora_alpha)
         params, ref_model = make_trainable(pipe.transformer, kind, lora=lora, reference=reference,
                                            sharded=sharded, compute_dtype=compute_dtype,
@@ -431,7 +459,7 @@ class Run:
     ref_model: object  # full fine-tuning's frozen reference (LoRA: the model with its adapters off), or None
     copies: dict  # {name: a list shaped like the trainable weights}, saved with every checkpoint
     amp: object  # the autocast context of every forward
-    shape: tuple  # (C, H, W) of the latents
+    shape: tuple  # the shape of a sample's latents: (C, H, W), or (C, F, H, W) with frames
     weights: dict  # {reward: weight}
     reward_fns: dict  # the training rewards
     eval_fns: dict  # every reward scored at evaluation
@@ -508,11 +536,11 @@ class Run:
         eval/* metrics, eval_<iteration>.json and a grid. Pair k: prompt k mod len(prompts), noise seed
         10^6 + k; each rank an equal share (the last pair repeated: all ranks run the same forwards). Returns
         (iteration, the training reward)."""
-        args, (C, H, W) = self.args, self.shape
+        args = self.args
         n = -(-args.eval_num // self.world)
         pairs = [min(k, args.eval_num - 1) for k in range(self.rank * n, (self.rank + 1) * n)]
         prompts = [self.eval_prompts[k % len(self.eval_prompts)] for k in pairs]
-        noise = torch.stack([torch.randn(C, H, W, generator=torch.Generator().manual_seed(10**6 + k))
+        noise = torch.stack([torch.randn(self.shape, generator=torch.Generator().manual_seed(10**6 + k))
                              for k in pairs])
         sigmas = pipeline_sigmas(self.pipe, self.kind, num_steps=args.eval_steps, shape=self.shape)
         with self.paused(), swapped_in(list(self.params.values()), self.ema):
@@ -525,15 +553,21 @@ class Run:
                 paths = [list(range(len(sigmas)))] * n  # every pair the whole schedule
                 x0 = ode_complete(self.transformer, self.kind, noise.to(self.device), paths, sigmas, emb,
                                   guidance=args.guidance, micro_batch=args.micro_batch, progress=bar.update)
-            images = torch.cat([decode(self.pipe, z) for z in x0.split(args.micro_batch)])
-            local = score(self.eval_fns, images, prompts, evaluation=True)
+            held = held_out_rewards(args)  # rewards scored, not trained on: the over-rating and the drift
+            parts, shown, thumbs = [], [], []  # decoded and scored a micro-batch at a time (videos: GBs)
+            for c in torch.arange(n).split(args.micro_batch):
+                images = decode(self.pipe, x0[c])
+                parts.append(score(self.eval_fns, images, [prompts[i] for i in c], evaluation=True))
+                shown.append(images[:max(0, GRID - sum(map(len, shown)))].cpu())
+                if held:  # each frame of a video [B, 3, F, H, W] as an image
+                    thumbs.append(thumbnails(images.transpose(1, 2) if images.ndim == 5 else images))
+            local = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
             scores = {k: gather_cat(v.to(self.device)).cpu()[:args.eval_num] for k, v in local.items()}
             for fn in self.eval_fns.values():
                 if hasattr(fn, "breakdown"):  # GenEval's accuracies per tag
                     every = [self.eval_prompts[k % len(self.eval_prompts)] for k in range(args.eval_num)]
                     scores.update(fn.breakdown(scores, every))
-            held = held_out_rewards(args)  # rewards scored, not trained on: the over-rating and the drift
-            small = gather_cat(thumbnails(images).to(self.device)).cpu()[:args.eval_num] if held else None
+            small = gather_cat(torch.cat(thumbs).to(self.device)).cpu()[:args.eval_num] if held else None
             if self.rank == 0:
                 means = {f"eval/{k}": v.mean() for k, v in scores.items()}
                 with stop_on_write_error(self.run_dir):
@@ -541,7 +575,7 @@ class Run:
                         means.update(over_rating_metrics(self.run_dir, iteration, scores, small, held=held,
                                                          weights=self.weights))
                     log_metrics(self.writer, self.run_dir, iteration, means, per_sample=scores)
-                    save_eval_grid(self.run_dir, iteration, images, prompts, local)
+                    save_eval_grid(self.run_dir, iteration, torch.cat(shown), prompts, local, fps=args.fps)
         return iteration, self.reward(scores).item()
 
     def reward(self, scores: dict):
@@ -1155,11 +1189,20 @@ def weights_fingerprint(module) -> str:
 
 
 # ======== 3. Sample grids and the end-of-run summary ========
+def frame_strip(videos, frames: int = 4):
+    """Videos [B, 3, F, H, W] as images [B, 3, H, k W] of k = min(frames, F) frames side by side, evenly
+    spaced from the first to the last (a still view of the motion)."""
+    index = torch.linspace(0, videos.shape[2] - 1, min(frames, videos.shape[2])).round().long()
+    return torch.cat(list(videos[:, :, index].unbind(2)), dim=-1)
+
+
 def image_grid(images, captions, ncols: int = 6, path: str | None = None, title: str = ""):
-    """Matplotlib figure of images [B, 3, H, W] in [0, 1] under their captions, saved to `path` if given."""
+    """Matplotlib figure of images [B, 3, H, W] in [0, 1] (videos [B, 3, F, H, W]: their frame_strip) under
+    their captions, saved to `path` if given."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    images = frame_strip(images) if images.ndim == 5 else images
     ncols = min(ncols, len(images))
     rows = math.ceil(len(images) / ncols)
     lines = max(c.count("\n") + 1 for c in captions)
@@ -1180,12 +1223,39 @@ def image_grid(images, captions, ncols: int = 6, path: str | None = None, title:
     return fig
 
 
-def save_eval_grid(run_dir: str, iteration: int, images, prompts: list, scores: dict, n: int = 12):
-    """runs/<run>/samples/eval_<iteration>.png: the first n evaluation pairs, their prompts and rewards."""
+GRID = 12  # evaluation pairs shown in each evaluation's grid
+
+
+def save_eval_grid(run_dir: str, iteration: int, images, prompts: list, scores: dict, n: int = GRID,
+                   fps: int = 16):
+    """runs/<run>/samples/eval_<iteration>.png: the first n evaluation pairs, their prompts and rewards; for
+    videos also eval_<iteration>.webp, the same pairs playing (save_video_grid)."""
     captions = ["\n".join(textwrap.wrap(p, 34) + [f"{k} {v[i]:.3f}" for k, v in scores.items()])
                 for i, p in enumerate(prompts[:n])]
     image_grid(images[:n].cpu(), captions, path=os.path.join(run_dir, "samples", f"eval_{iteration}.png"),
                title=f"iteration {iteration}: ODE samples of fixed prompt / seed pairs")
+    if images.ndim == 5:
+        save_video_grid(images[:n], os.path.join(run_dir, "samples", f"eval_{iteration}.webp"), fps=fps)
+
+
+def save_video_grid(videos, path: str, *, fps: int, ncols: int = 6):
+    """Videos [B, 3, F, H, W] in [0, 1] tiled into one grid per frame (ncols across, 2-pixel gaps) and written
+    as a looping lossless animated WebP (Pillow) at `fps` frames per second, atomically."""
+    from PIL import Image
+    b, _, f, h, w = videos.shape
+    ncols = min(ncols, b)
+    rows = math.ceil(b / ncols)
+    grid = torch.zeros(f, 3, rows * (h + 2), ncols * (w + 2))
+    for i, v in enumerate(videos.detach().float().clamp(0, 1).cpu()):
+        y, x = (i // ncols) * (h + 2), (i % ncols) * (w + 2)
+        grid[:, :, y:y + h, x:x + w] = v.transpose(0, 1)
+    pixels = (grid * 255).round().byte().permute(0, 2, 3, 1).numpy()
+    frames = [Image.fromarray(p) for p in pixels]
+    buf = io.BytesIO()
+    frames[0].save(buf, format="WEBP", save_all=True, append_images=frames[1:], duration=round(1000 / fps),
+                   loop=0, lossless=True)
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    write_atomically(path, buf.getvalue())
 
 
 def paired_change(before: list, after: list) -> tuple[float, float]:
@@ -1331,13 +1401,15 @@ def run_summary(run_dir: str, *, args, pipe, weights: dict, seconds: float) -> s
         else:
             load = (f"pipe = {pipe_cls}.from_pretrained({model!r}); "
                     f"pipe.load_lora_weights({os.path.join(ckpt, 'lora')!r})")
-        guidance = FAMILIES[family_of(pipe)]["call_guidance"](args.guidance)
-        call = (f"pipe(prompt='a red circle on the left', height={args.resolution}, width={args.resolution}, "
-                f"num_inference_steps={args.eval_steps}, {guidance}, "
-                f"max_sequence_length={args.max_sequence_length})")
+        entry = FAMILIES[family_of(pipe)]
+        frames = f"num_frames={args.num_frames or 33}, " if "frames" in entry else ""
+        call = (f"pipe(prompt='a red circle on the left', height={args.resolution}, "
+                f"width={args.width or args.resolution}, {frames}num_inference_steps={args.eval_steps}, "
+                f"{entry['call_guidance'](args.guidance)}, max_sequence_length={args.max_sequence_length})")
         out += [f"Checkpoint: {ckpt} (continue with --resume {os.path.abspath(run_dir)}); in diffusers:",
-                f"  from diffusers import {pipe_cls}, {tr_cls}", f"  {load}",
-                f"  image = {call}.images[0]"]
+                f"  from diffusers import {pipe_cls}, {tr_cls}", f"  {load}"]
+        out += [f"  video = {call}.frames[0]  # diffusers.utils.export_to_video(video, 'a.mp4', "
+                f"fps={args.fps})"] if frames else [f"  image = {call}.images[0]"]
     return "\n".join(out)
 
 

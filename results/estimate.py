@@ -16,9 +16,11 @@ under `FakeTensorMode`: shapes and dtypes only, no data, no memory. Full fine-tu
 `common.make_trainable` itself (FSDP2, bf16 compute, float32 master shards) over a fake process group of the
 command's world size; LoRA runs hold bf16 frozen weights and float32 adapters, also from `make_trainable`.
 The newer families of models.py are built too (`architectures`: Qwen-Image with Qwen2.5-VL-7B, FLUX.2 [dev]
-with Mistral-Small-3.1-24B, FLUX.2 [klein] 4B / 9B with Qwen3-4B / 8B, Z-Image with Qwen3-4B; the --model
-aliases in ARCHITECTURE), each run through its family's own velocity, decoding and embeddings (every prompt
-counted at --max-sequence-length tokens where the family cuts them to the longest: an upper bound).
+with Mistral-Small-3.1-24B, FLUX.2 [klein] 4B / 9B with Qwen3-4B / 8B, Z-Image with Qwen3-4B, Wan2.1-T2V-1.3B /
+14B and Wan2.2-TI2V-5B with UMT5-XXL and their video VAEs; the --model aliases in ARCHITECTURE), each run
+through its family's own velocity, decoding and embeddings (every prompt counted at --max-sequence-length tokens
+where the family cuts them to the longest: an upper bound). A video row keeps every sample's decoded frames
+(float32) for the rewards, as the files do, and an image reward scores the frames --frame-reduce picks.
 One iteration's phases then run on one rank with the shapes the file uses:
 - encode: the text encoders on the GPU for 16 prompts (`common.encode_prompts`' chunk), called as the pipelines
   call them; with --text-cache only the embeddings, read from disk (the start-up's fill measured apart: the
@@ -67,6 +69,8 @@ LORA_1GPU = ("--prompts-per-iteration 1 --no-full-finetune --lora-rank 64 --lora
              "--learning-rate 1e-4 --eval-num 64")
 QWEN = "--model qwen-image --guidance 4 --lora-rank 64 --lora-alpha 128 --max-sequence-length 256"
 KLEIN9 = "--model flux2-klein-base-9b --guidance 4 --lora-rank 64 --lora-alpha 128"
+WAN = ("--guidance 4.5 --num-steps 20 --eval-steps 50 --max-sequence-length 512 --rewards pickscore "
+       "--frame-reduce mean --text-cache runs/text-cache/wan --eval-num 64 ")  # Flow-GRPO's Wan steps, guidance
 # the README's shell variables of its newer families' commands (L, K, D, Z), less the data paths
 README_L = "--lora-rank 64 --lora-alpha 128 --group-size 16"
 README_K = ("--guidance 4 --resolution 384 --num-steps 8 --eval-steps 28 --prompts-per-iteration 48 "
@@ -166,6 +170,49 @@ COMMANDS = [
     ("CRD, FLUX.2 [klein] base 9B, OCR (LoRA)", "crd", "--model flux2-klein-base-9b --guidance 1 --kl-cfg 4 "
      "--lora-rank 64 --lora-alpha 128 --resolution 384 --num-steps 8 --eval-steps 28 --group-size 16 "
      "--micro-batch 16 --max-sequence-length 512", 8),
+    # text-to-video (docs/video.md, appended): Wan at the recipes' sizes, the UMT5-XXL embeddings from --text-cache
+    ("1 GPU: Flow-GRPO, Wan2.1-T2V-1.3B, 240x416 x 33 frames (LoRA, text cache)", "flow_grpo",
+     WAN + "--model wan2.1-t2v-1.3b --resolution 240 --width 416 --num-frames 33 --group-size 8 "
+     "--prompts-per-iteration 1 --micro-batch 4", 1),
+    ("Flow-GRPO, Wan2.1-T2V-1.3B, 480x832 x 33 frames, PickScore per frame (LoRA)", "flow_grpo",
+     WAN + "--model wan2.1-t2v-1.3b --resolution 480 --width 832 --num-frames 33 --group-size 4 "
+     "--prompts-per-iteration 32 --micro-batch 4", 8),
+    ("DanceGRPO, Wan2.2-TI2V-5B, 704x1280 x 9 frames, HPS of every 4th frame (LoRA)", "dancegrpo",
+     WAN + "--model wan2.2-ti2v-5b --resolution 704 --width 1280 --num-frames 9 --fps 24 --num-steps 10 "
+     "--group-size 8 --prompts-per-iteration 64 --micro-batch 4 --no-full-finetune --lora-rank 64 --lora-alpha 128 "
+     "--rewards hps --frame-reduce stride:4", 8),
+    # the CFG gradient through the conditional prediction only (--detach-uncond): 71.5 GiB with both
+    ("Flow-GRPO, Wan2.1-T2V-14B, 480x832 x 33 frames, PickScore per frame (full FT, FSDP2, --detach-uncond)",
+     "flow_grpo", WAN + "--model wan2.1-t2v-14b --resolution 480 --width 832 --num-frames 33 --group-size 4 "
+     "--prompts-per-iteration 16 --micro-batch 1 --full-finetune --no-ema --detach-uncond", 8),
+    # the README's Wan recipe lines (the paths aside)
+    ("Flow-GRPO, Wan2.1-T2V-1.3B, 240x416 x 33 frames, OCR of every 4th frame (LoRA, Flow-GRPO's recipe)",
+     "flow_grpo", "--model wan2.1-t2v-1.3b --text-cache runs/text-cache/wan --max-sequence-length 512 --rewards ocr "
+     "--frame-reduce stride:4 --num-frames 33 --resolution 240 --width 416 --num-steps 20 --eval-steps 50 "
+     "--guidance 4.5 --group-size 4 --prompts-per-iteration 32 --beta 0.004 --learning-rate 1e-4 "
+     "--clip-range 1e-3 --no-global-std", 8),
+    ("Flow-GRPO, Wan2.1-T2V-14B, 256 px x 5 frames, CLIP + PickScore per frame (LoRA, Flow-Factory's recipe)",
+     "flow_grpo", "--model wan2.1-t2v-14b --text-cache runs/text-cache/wan --max-sequence-length 512 "
+     "--num-frames 5 --resolution 256 --num-steps 10 --eval-steps 28 --guidance 5 --group-size 16 "
+     "--prompts-per-iteration 48 --noise-level 0.9 --beta 0 --learning-rate 1e-4 --lora-rank 64 --lora-alpha 128 "
+     "--rewards clip pickscore --reward-weights 1 0.5 --frame-reduce mean", 8),
+    ("DiffusionNFT, Wan2.1-T2V-1.3B, 480x832 x 1 frame, PickScore (LoRA, Flow-Factory's recipe)", "diffusion_nft",
+     "--model wan2.1-t2v-1.3b --text-cache runs/text-cache/wan --max-sequence-length 512 --num-frames 1 "
+     "--resolution 480 --width 832 --num-steps 12 --eval-steps 20 --guidance 5 --group-size 16 "
+     "--prompts-per-iteration 48 --nft-beta 0.1 --learning-rate 1e-4 --lora-rank 128 --lora-alpha 128 "
+     "--rewards pickscore", 8),
+    ("DanceGRPO, Wan2.1-T2V-1.3B, 512 px x 1 frame, HPS (DanceGRPO's recipe)", "dancegrpo",
+     "--model wan2.1-t2v-1.3b --text-cache runs/text-cache/wan --max-sequence-length 512 --num-frames 1 "
+     "--resolution 512 --num-steps 20 --noise-level 0.3 --shift 3 --group-size 12 --timestep-fraction 0.6 "
+     "--guidance 5 --learning-rate 1e-5 --rewards hps --frame-reduce first", 8),
+    ("DanceGRPO, Wan2.2-TI2V-5B, 704x1280 x 9 frames, HPS of every 4th frame (verl-omni's recipe)", "dancegrpo",
+     "--model wan2.2-ti2v-5b --text-cache runs/text-cache/wan --max-sequence-length 512 --num-frames 9 --fps 24 "
+     "--resolution 704 --width 1280 --num-steps 10 --eval-steps 50 --guidance 5 --group-size 8 "
+     "--prompts-per-iteration 64 --learning-rate 1e-5 --rewards hps --frame-reduce stride:4", 8),
+    ("AWM, Wan2.1-T2V-1.3B, 480x832 x 33 frames, VideoAlign VQ + MQ (ours)", "awm",
+     "--model wan2.1-t2v-1.3b --num-frames 33 --resolution 480 --width 832 --guidance 5 "
+     "--rewards videoalign_vq videoalign_mq --reward-combine advantages --videoalign-url http://127.0.0.1:18087 "
+     "--text-cache runs/text-cache/wan --max-sequence-length 512 --micro-batch 4", 8),  # at 12: 77.7 GiB
 ]
 # evaluate.py's evaluation of FLUX.1-dev, modelled with rundir.Run.evaluate's phases
 EVALUATE = dict(name="evaluate.py, FLUX.1-dev, 720 px, 50 steps, 400 prompts, 8 GPUs", kind="flux",
@@ -197,7 +244,8 @@ PHASES = ("encode", "rollout", "decode", "rewards", "training step", "optimizer 
 ARCHITECTURE = {"sd3.5-medium": "sd3", "flux-dev": "flux", "qwen-image": "qwen-image", "flux2-dev": "flux2-dev",
                 "flux2-klein-base-4b": "klein-4b", "flux2-klein-4b": "klein-4b",
                 "flux2-klein-base-9b": "klein-9b", "flux2-klein-9b": "klein-9b",
-                "z-image": "z-image", "z-image-turbo": "z-image"}
+                "z-image": "z-image", "z-image-turbo": "z-image", "wan2.1-t2v-1.3b": "wan-1.3b",
+                "wan2.1-t2v-14b": "wan-14b", "wan2.2-ti2v-5b": "wan-5b"}
 DISTILLED = ("flux2-klein-4b", "flux2-klein-9b")  # Flux2KleinPipeline(is_distilled=True): no CFG, no guidance
 # published parameters (../shared/reference/models_2026.md; Qwen3-8B's model card: 8.2B, the reference's 7.6B
 # leaves out its untied head): transformer, text encoders, VAE
@@ -225,7 +273,13 @@ def _tiny(arch: str):
     """(transformer, [text encoders], vae) constructors of toy/tiny.py's / toy/tiny_families.py's pipelines."""
     import tiny as toy_tiny
     import tiny_families
+    import tiny_video
 
+    if arch.startswith("wan"):  # toy/tiny_video.py's two layouts
+        pipe = tiny_video.build_wan(version="2.2" if arch == "wan-5b" else "2.1")
+        return (functools.partial(type(pipe.transformer).from_config, pipe.transformer.config),
+                [functools.partial(type(pipe.text_encoder), copy.deepcopy(pipe.text_encoder.config))],
+                functools.partial(type(pipe.vae).from_config, pipe.vae.config))
     pipe = {"flux": toy_tiny.build_flux, "sd3": toy_tiny.build_sd3, "qwen-image": tiny_families.build_qwenimage,
             "flux2-dev": tiny_families.build_flux2, "klein-4b": tiny_families.build_flux2_klein,
             "klein-9b": tiny_families.build_flux2_klein, "z-image": tiny_families.build_zimage}[arch]()
@@ -269,6 +323,8 @@ def architectures(arch: str, *, tiny: bool):
         shift_factor=0.0609 if arch == "sd3" else 0.1159)  # Z-Image ships FLUX.1's autoencoder
     if arch in ("qwen-image", "flux2-dev", "klein-4b", "klein-9b", "z-image"):
         return _newer_families(arch, vae)
+    if arch.startswith("wan"):
+        return _wan(arch)
     t5 = functools.partial(T5EncoderModel, T5Config(
         vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
         feed_forward_proj="gated-gelu", decoder_start_token_id=0, **_bos_eos()))
@@ -355,6 +411,36 @@ def _newer_families(arch: str, flux_vae):
         cap_feat_dim=2560, rope_theta=256.0, t_scale=1000.0, axes_dims=[32, 48, 48], axes_lens=[1536, 512, 512])
     text = _qwen3(hidden_size=2560, intermediate_size=9728, tie_word_embeddings=True)
     return transformer, [functools.partial(Qwen3Model, text)], flux_vae
+
+
+def _wan(arch: str):
+    """Wan2.1-T2V-1.3B / -14B and Wan2.2-TI2V-5B (Wan-AI's configs, as the official repository's
+    wan/configs/wan_t2v_1_3B.py, wan_t2v_14B.py, wan_ti2v_5B.py state them: dim, ffn_dim, heads of 128, layers;
+    the Diffusers checkpoints' transformer/config.json carry the same values): WanTransformer3DModel, the
+    UMT5-XXL encoder (google/umt5-xxl: 24 layers of 4096, 64 heads, gated GELU, vocabulary 256,384) and
+    AutoencoderKLWan (Wan2.1: base 96, z 16, 8x in space; Wan2.2: base 160, decoder 256, z 48, residual, 2x2
+    patches, 16x in space; both 4x in time)."""
+    from diffusers import AutoencoderKLWan, WanTransformer3DModel
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    heads, ffn, layers, channels = {"wan-1.3b": (12, 8960, 30, 16), "wan-14b": (40, 13824, 40, 16),
+                                    "wan-5b": (24, 14336, 30, 48)}[arch]
+    transformer = functools.partial(
+        WanTransformer3DModel, patch_size=(1, 2, 2), num_attention_heads=heads, attention_head_dim=128,
+        in_channels=channels, out_channels=channels, text_dim=4096, freq_dim=256, ffn_dim=ffn, num_layers=layers,
+        cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6)
+    text = UMT5Config(vocab_size=256384, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
+                      feed_forward_proj="gated-gelu", decoder_start_token_id=0, **_bos_eos())
+    if arch == "wan-5b":
+        vae = functools.partial(AutoencoderKLWan, base_dim=160, decoder_base_dim=256, z_dim=48,
+                                dim_mult=[1, 2, 4, 4], num_res_blocks=2, temperal_downsample=[False, True, True],
+                                is_residual=True, in_channels=12, out_channels=12, patch_size=2,
+                                scale_factor_spatial=16, scale_factor_temporal=4,
+                                latents_mean=[0.0] * 48, latents_std=[1.0] * 48)
+    else:
+        vae = functools.partial(AutoencoderKLWan, base_dim=96, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2,
+                                temperal_downsample=[False, True, True])
+    return transformer, [functools.partial(UMT5EncoderModel, text)], vae
 
 
 def parameter_counts(arch: str, *, tiny: bool = False) -> tuple:
@@ -788,7 +874,7 @@ def estimate(name, script, argv, world, *, tiny=False, undo=(), phases=None, cou
     mod = importlib.import_module(script)
     args = tyro.cli(mod.Args, args=argv.split())
     if tiny:
-        args.resolution, args.max_sequence_length = 32, 16
+        args.resolution, args.width, args.max_sequence_length = 32, None, 16
     # the paths, reward files and OCR engine are the training machine's: the estimate reads and writes none
     with patched(common, "check_output_path", lambda *a, **k: None), \
             patched(common.import_sibling("rewards"), "check", lambda *a, **k: None):
@@ -850,13 +936,20 @@ def estimate(name, script, argv, world, *, tiny=False, undo=(), phases=None, cou
     pipe.vae, pipe.transformer = vae, transformer
     pipe.vae_scale_factor = 2 ** len(vae.temperal_downsample) if hasattr(vae, "temperal_downsample") else \
         2 ** (len(vae.config.block_out_channels) - 1)
+    if kind == "wan":  # WanPipeline's factors: from the VAE's config
+        pipe.vae_scale_factor_spatial = vae.config.scale_factor_spatial
+        pipe.vae_scale_factor_temporal = vae.config.scale_factor_temporal
     pipe.config = types.SimpleNamespace(is_distilled=args.model in DISTILLED)
     common.check_guidance(pipe, kind, args.guidance)
     mode = common.FAMILIES[kind]["guidance"](pipe)
     guidance = max(args.guidance, getattr(args, "kl_cfg", 0.0))  # crd.py encodes its KL reference's negatives
     cfg = (mode == "cfg" and guidance > 1) or (mode == "cfg0" and guidance > 0)  # negatives too
-    (C, H, W), _ = common.FAMILIES[kind]["latent"](pipe, args.resolution)
-    R, pooled_dim, masked = args.resolution, None, kind in ("qwenimage", "zimage")
+    shape = common.latent_shape(pipe, kind, args.resolution, width=args.width, frames=args.num_frames)
+    # the decoded samples: images [3, H, W] or frames [3, F, H, W] (a video's first latent frame is one frame)
+    pixels = (3, *([(shape[1] - 1) * pipe.vae_scale_factor_temporal + 1] if len(shape) == 4 else []),
+              args.resolution, args.width or args.resolution)
+    frames_scored = len(common.frame_indices(args.reward_models.frame_reduce, pixels[1])) if len(shape) == 4 else 1
+    pooled_dim, masked = None, kind in ("qwenimage", "zimage")
     tokens = text_tokens = args.max_sequence_length  # the newer families pad to it (and keep a mask)
     if kind == "flux":
         txt_dim, pooled_dim = (32, 32) if tiny else (4096, 768)
@@ -864,9 +957,11 @@ def estimate(name, script, argv, world, *, tiny=False, undo=(), phases=None, cou
         txt_dim, pooled_dim = (64, 64) if tiny else (4096, 2048)
         tokens += 16 if tiny else 77  # CLIP's tokens before T5's
     else:  # the text dimension the transformer takes: the stacked hidden layers of FLUX.2's
-        txt_dim = transformer.config.get("joint_attention_dim") or transformer.config.cap_feat_dim
+        txt_dim = transformer.config.get("joint_attention_dim") or transformer.config.get("text_dim") or \
+            transformer.config.cap_feat_dim
         text_tokens += 34 if kind == "qwenimage" else 0  # Qwen-Image's template, dropped after encoding
-    out.update(tokens=tokens, txt_dim=txt_dim, cfg=cfg, latent_bytes=C * H * W * 4)
+    out.update(tokens=tokens, txt_dim=txt_dim, cfg=cfg, latent_bytes=math.prod(shape) * 4, shape=shape,
+               pixels=pixels, frames_scored=frames_scored)
     with fake, patched(models, "trim", full_trim), patched(common, "fits_gathered", fits_gathered), \
             patched_entry(common.FAMILIES["zimage"], "velocity", full_rows(common.FAMILIES["zimage"]["velocity"])):
         optimizer = torch.optim.AdamW(params, lr=1e-5)
@@ -936,10 +1031,13 @@ def estimate(name, script, argv, world, *, tiny=False, undo=(), phases=None, cou
         N = P * G
 
         def lat(n, dtype=torch.float32):
-            return torch.zeros(n, C, H, W, dtype=dtype)
+            return torch.zeros(n, *shape, dtype=dtype)
 
-        def full(n):  # decoded images, float32
-            return torch.zeros(n, 3, R, R)
+        def full(n):  # decoded images (or videos), float32
+            return torch.zeros(n, *pixels)
+
+        def frames(n):  # what an image reward scores of n samples (common.per_frame: --frame-reduce's frames)
+            return torch.zeros(n * frames_scored, 3, *pixels[-2:])
 
         kept = list(emb.values())
         if script == "g2rpo":  # the anchors' x_k (float32), v(x_k) (bf16), post-SDE latents, last x0, images
@@ -994,8 +1092,7 @@ def estimate(name, script, argv, world, *, tiny=False, undo=(), phases=None, cou
 
         def score():
             with torch.no_grad(), common.gathered(transformer, sharded=sharded):
-                images = full(scored) if script == "densegrpo" else None  # decoded per micro-batch
-                reward_forward(trained_rewards, images if images is not None else full(scored))
+                reward_forward(trained_rewards, frames(scored))  # DenseGRPO: decoded per micro-batch
             if script == "flow_grpo" and args.credit == "coca":  # x0_hat_k = x_k - sigma_k v(x_k), the credit
                 x0_hats = torch.stack([lat(N) - 0.5 * lat(N, bf16) for _ in range(T)])
                 trained = int(T * args.timestep_fraction)
@@ -1016,8 +1113,9 @@ def estimate(name, script, argv, world, *, tiny=False, undo=(), phases=None, cou
             for v_implicit in (args.nft_beta * v + (1 - args.nft_beta) * v_old,
                                (1 + args.nft_beta) * v_old - args.nft_beta * v):
                 x0_hat = x_t - t * v_implicit
-                w = (x0_hat.detach().double() - x0).abs().mean((1, 2, 3), keepdim=True).clip(min=1e-5)
-                losses.append(((x0_hat - x0) ** 2 / w).mean((1, 2, 3)))
+                dims = tuple(range(1, x0.ndim))
+                w = (x0_hat.detach().double() - x0).abs().mean(dims, keepdim=True).clip(min=1e-5)
+                losses.append(((x0_hat - x0) ** 2 / w).mean(dims))
             loss = (0.5 * losses[0] + 0.5 * losses[1]).mean()
             if beta > 0:
                 with torch.no_grad(), common.as_reference(transformer, ref) as reference:
@@ -1070,7 +1168,7 @@ def estimate(name, script, argv, world, *, tiny=False, undo=(), phases=None, cou
                 v = common.velocity(transformer, kind, x_t, t, e, guidance=args.guidance, detach_uncond=args.detach_uncond)
                 with torch.no_grad(), common.as_reference(transformer, ref) as reference:
                     v_ref = common.velocity(reference, kind, x_t, t, e, guidance=args.guidance)
-                mse, mse_ema, mse_ref = (((eps - xt - w.double()) ** 2).mean(dim=(1, 2, 3))
+                mse, mse_ema, mse_ref = (((eps - xt - w.double()) ** 2).flatten(1).mean(1)
                                          for w in (v, v_ema, v_ref))
                 weight = torch.sigmoid(adv * (mse - mse_ref).detach())
                 loss = (weight * adv * torch.where(mse_ema > mse, mse.detach(), mse)).mean()
@@ -1098,7 +1196,7 @@ def estimate(name, script, argv, world, *, tiny=False, undo=(), phases=None, cou
             _, log_prob, mean, std = mod.sde_step(v, xt, sigmas, j, args.noise_level, prev_sample=lat(len(xt)))
             ratio = torch.exp(log_prob - old_log_probs)
             if script == "flow_dppo":  # the trust region's mask instead of the clip
-                kl_old = ((mean - lat(len(xt))) ** 2).mean(dim=(1, 2, 3)) / (2 * std**2)
+                kl_old = ((mean - lat(len(xt))) ** 2).flatten(1).mean(1) / (2 * std**2)
                 drop = (kl_old >= args.kl_threshold) & (ratio > 1)
                 policy_loss = torch.where(drop, torch.zeros_like(ratio), -adv * ratio).mean()
             else:
@@ -1113,7 +1211,7 @@ def estimate(name, script, argv, world, *, tiny=False, undo=(), phases=None, cou
                 _, _, mean_ref, _ = mod.sde_step(v_ref, xt, sigmas, j, args.noise_level, prev_sample=lat(len(xt)))
                 step = float(sigmas[j] - sigmas[j + 1])  # |dt|
                 kl_var = std**2 if args.kl_form == "exact" else std**2 / step
-                kl = ((mean - mean_ref) ** 2).mean(dim=(1, 2, 3)).mean() / (2 * kl_var)
+                kl = ((mean - mean_ref) ** 2).flatten(1).mean(1).mean() / (2 * kl_var)
             loss = policy_loss + beta * kl
             (loss * len(xt) / (len(xt) * 4)).backward()
         phase("training step", train, *kept)
@@ -1149,10 +1247,10 @@ def estimate(name, script, argv, world, *, tiny=False, undo=(), phases=None, cou
                 x0 = common.ode_complete(transformer, kind, noise, paths, sigmas, e_emb,
                                          guidance=args.guidance, micro_batch=eval_mb, v_first=lat(n_eval),
                                          emb_index=torch.zeros(n_eval, dtype=torch.long))
-            with torch.no_grad():
-                images = full(n_eval)
+            with torch.no_grad():  # decoded and scored a micro-batch at a time
+                images = full(eval_mb)
                 common.decode(pipe, lat(min(4, eval_mb)))
-                reward_forward(loaded, images)
+                reward_forward(loaded, frames(eval_mb))
                 del images, x0
         phase("evaluation", evaluate, *e_emb.values())
     out["seconds_to_estimate"] = time.time() - t0

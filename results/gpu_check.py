@@ -205,6 +205,13 @@ def scheduler_config(model: str) -> dict:
                 time_shift_type="exponential", use_dynamic_shifting=True)
 
 
+def wan_scheduler(model: str):
+    """The UniPC scheduler Wan-AI's Diffusers checkpoints ship (scheduler/scheduler_config.json): flow sigmas,
+    flow_shift 3.0 for Wan2.1 at 480p, 5.0 for Wan2.2-TI2V-5B (as toy/tiny_video.unipc)."""
+    from tiny_video import unipc
+    return unipc(5.0 if model == "wan2.2-ti2v-5b" else 3.0)
+
+
 def tiny_text_encoders(arch: str) -> list:
     """Constructors of toy/tiny_families.py's text encoders with all their layers (estimate's tiny ones
     keep 2: FLUX.2's pipelines read hidden layers 9-30 by index)."""
@@ -229,7 +236,7 @@ def build_pipeline(model: str, *, tiny: bool, device, dtype):
 
     _, arch = estimate.model_architecture(model)
     make_t, texts, make_vae = estimate.architectures(arch, tiny=tiny)
-    if tiny and arch not in ("flux", "sd3"):
+    if tiny and arch not in ("flux", "sd3") and not arch.startswith("wan"):
         texts = tiny_text_encoders(arch)
     torch.set_default_dtype(dtype)
     try:
@@ -241,12 +248,17 @@ def build_pipeline(model: str, *, tiny: bool, device, dtype):
     def tokenizer(m):  # CLIP: its position embeddings; T5: the longest --max-sequence-length
         return word_tokenizer(m.config.max_position_embeddings if "CLIP" in type(m).__name__ else 512)
 
-    parts = dict(scheduler=FlowMatchEulerDiscreteScheduler(**scheduler_config(model)), vae=vae,
-                 transformer=transformer, text_encoder=encoders[0])
-    if arch in ("flux", "sd3"):
+    parts = dict(scheduler=FlowMatchEulerDiscreteScheduler(**scheduler_config(model)) if not arch.startswith("wan")
+                 else wan_scheduler(model), vae=vae, transformer=transformer, text_encoder=encoders[0])
+    if arch.startswith("wan"):  # UMT5 behind a word-level tokenizer of 512 tokens
+        from diffusers import WanPipeline
+        pipe = WanPipeline(**parts, tokenizer=tokenizer(encoders[0]), expand_timesteps=arch == "wan-5b")
+    elif arch in ("flux", "sd3"):
         parts.update(tokenizer=tokenizer(encoders[0]), text_encoder_2=encoders[1],
                      tokenizer_2=tokenizer(encoders[1]))
-    if arch == "flux":
+    if arch.startswith("wan"):
+        pass
+    elif arch == "flux":
         pipe = FluxPipeline(**parts)
     elif arch == "sd3":
         parts.update(text_encoder_3=encoders[2], tokenizer_3=tokenizer(encoders[2]))
@@ -320,8 +332,10 @@ def clip_model(spec: dict, device):
                                     projection_dim=spec["projection_dim"]))
 
 
-def load_random_rewards(names, device, *, models, dtype, tiny: bool, tmp: str, phases: Phases):
-    """common.load_rewards for this check: rewards.py's loaders fed random models (see the docstring)."""
+def load_random_rewards(names, device, *, models, dtype, tiny: bool, tmp: str, phases: Phases, fps: int = 16):
+    """common.load_rewards for this check: rewards.py's loaders fed random models (see the docstring), image
+    rewards scoring a video's frames as --frame-reduce says (common.per_frame)."""
+    import common
     import estimate
     import rewards
     from transformers import AutoProcessor, CLIPImageProcessor, CLIPModel
@@ -336,8 +350,8 @@ def load_random_rewards(names, device, *, models, dtype, tiny: bool, tmp: str, p
     out = {}
     for name in dict.fromkeys(names):
         spec = estimate.reward_spec(name, tiny=tiny)
-        if spec is None:  # jpeg, the toy world's
-            out[name] = ORIGINAL["load_rewards"]([name], device, models=models, dtype=dtype)[name]
+        if spec is None:  # jpeg, the toy worlds'
+            out[name] = ORIGINAL["load_rewards"]([name], device, models=models, dtype=dtype, fps=fps)[name]
             continue
         where = os.path.join(tmp, name)
         os.makedirs(where, exist_ok=True)
@@ -385,7 +399,7 @@ def load_random_rewards(names, device, *, models, dtype, tiny: bool, tmp: str, p
                     f.write("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS]) + "\n")
                 fn = rewards.imagereward_reward(checkpoint, med, where, device, dtype=dtype)
                 states.clear()
-        out[name] = wrapped(fn, phases, "rewards")
+        out[name] = wrapped(common.per_frame(fn, models.frame_reduce), phases, "rewards")
     return out
 
 
@@ -424,7 +438,7 @@ def run_configuration(command, *, pipe, kind, tiny, device, tmp, prompts):
     extra = ["--num-iterations", "1", "--eval-every", "0", "--save-every", "0", "--output-dir", out_dir,
              "--prompts", prompts, "--eval-prompts", prompts]
     if tiny:
-        extra += ["--resolution", "32", "--max-sequence-length", "16"]
+        extra += ["--resolution", "32", "--width", "32", "--max-sequence-length", "16"]
     words = argv.split()
     if "--text-cache" in words:  # a directory of this check's, filled by this run
         words[words.index("--text-cache") + 1] = os.path.join(out_dir, "text-cache")

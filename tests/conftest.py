@@ -22,9 +22,10 @@ def tiny(tmp_path_factory):
 
 
 def pytest_collection_modifyitems(items):
-    """The learning runs first: they are the longest file, and one worker runs them while the other runs the
-    rest."""
-    items.sort(key=lambda item: "test_learning.py" not in item.nodeid)
+    """The learning runs first: they are the longest files, and each worker starts with one of them (the text
+    world's, the video world's) while the other worker runs the rest."""
+    learning = ("test_learning.py", "test_video_learning.py")
+    items.sort(key=lambda item: not any(f in item.nodeid for f in learning))
 
 
 CPU_LOG = os.environ.get("PYTEST_CPU_LOG")  # a JSON line per test, its CPU seconds (docs/contributing.md)

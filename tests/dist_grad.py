@@ -9,7 +9,8 @@ A MODE is a comma-separated set of flags, or "plain": checkpointing (activation 
 (awm.py's loss instead: the PPO-clipped ratio of flow-matching log-probs, the KL to the reference and to a KL-EMA
 weight set swapped in with common.swapped_in: DTensor shards under FSDP2), dpo (dpo.py's: a pair per rank, its
 reference a weight set swapped in), crd (crd.py's: a group of 2 per rank centred on its own, the old model swapped
-in, the reward-adaptive KL to the guided reference).
+in, the reward-adaptive KL to the guided reference), wan (the tiny Wan2.1 of toy/tiny_video.py instead of Flux:
+video latents [4, 3, 8, 8], true CFG against a negative embedding).
 
 Writes {MODE: {"grads": {name: full gradient}, "before" / "updated": {name: trainable weight before / after the
 step}}} (rank 0); tests/test_memory.py compares the files.
@@ -27,18 +28,20 @@ from common import (as_reference, close_distributed, make_trainable, optimizer_s
                     shifted_sigmas, swapped_in, velocity)
 from flow_grpo import sde_step  # noqa: E402
 from tiny import build_flux  # noqa: E402
+from tiny_video import build_wan  # noqa: E402
 
 
 def one_step(flags: set, rank: int, world: int) -> dict:
     """The gradients and the weights before and after one optimizer step, in the mode `flags`."""
-    transformer = build_flux(seed=0).transformer.requires_grad_(False)
+    kind = "wan" if "wan" in flags else "flux"
+    transformer = (build_wan(seed=0) if kind == "wan" else build_flux(seed=0)).transformer.requires_grad_(False)
     with torch.no_grad():  # a reference that differs from the policy, so that the KL has a gradient
         for p in transformer.parameters():
             p.add_(0.01 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
     amp = torch.bfloat16 if "bf16" in flags else None
     lora = "lora" in flags
     sharded = world > 1 and not lora
-    params, ref = make_trainable(transformer, "flux", lora=(4, 8) if lora else None,
+    params, ref = make_trainable(transformer, kind, lora=(4, 8) if lora else None,
                                  reference=True, sharded=sharded, compute_dtype=amp,
                                  checkpointing="checkpointing" in flags)
     with torch.no_grad():
@@ -52,8 +55,11 @@ def one_step(flags: set, rank: int, world: int) -> dict:
     transformer.train()
     g = torch.Generator().manual_seed(1)
     n = 4
-    x, x_next = torch.randn(n, 4, 16, 16, generator=g), torch.randn(n, 4, 16, 16, generator=g)
+    shape, guidance = ((4, 3, 8, 8), 4.0) if kind == "wan" else ((4, 16, 16), 3.5)
+    x, x_next = torch.randn(n, *shape, generator=g), torch.randn(n, *shape, generator=g)
     emb = {"embeds": torch.randn(n, 16, 32, generator=g), "pooled": torch.randn(n, 32, generator=g)}
+    if kind == "wan":  # UMT5 embeddings of 16 channels, and the negative prompt's for true CFG
+        emb = {"embeds": torch.randn(n, 16, 16, generator=g), "neg_embeds": torch.randn(n, 16, 16, generator=g)}
     advantages, sigmas = torch.randn(n, generator=g), shifted_sigmas(4, shift=3.0)
     rows = torch.arange(rank * n // world, (rank + 1) * n // world)  # this rank's half (or all of it)
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp is not None and world == 1)
@@ -97,13 +103,13 @@ def one_step(flags: set, rank: int, world: int) -> dict:
                 + ((v - v_ema.double()) ** 2).mean())
     else:
         with autocast:
-            v = velocity(transformer, "flux", x[rows], sigmas[1], select(emb, rows), guidance=3.5)
+            v = velocity(transformer, kind, x[rows], sigmas[1], select(emb, rows), guidance=guidance)
         _, log_prob, mean, std = sde_step(v, x[rows], sigmas, 1, 0.7, prev_sample=x_next[rows])
         # the files' loss: the PPO-clipped ratio and the official KL of the step means
         with torch.no_grad(), as_reference(transformer, ref) as reference:
-            v_ref = velocity(reference, "flux", x[rows], sigmas[1], select(emb, rows), guidance=3.5)
+            v_ref = velocity(reference, kind, x[rows], sigmas[1], select(emb, rows), guidance=guidance)
         _, _, mean_ref, _ = sde_step(v_ref, x[rows], sigmas, 1, 0.7, prev_sample=x_next[rows])
-        kl = ((mean - mean_ref) ** 2).mean(dim=(1, 2, 3)).mean() / (2 * std**2 / float(sigmas[1] - sigmas[2]))
+        kl = ((mean - mean_ref) ** 2).flatten(1).mean(1).mean() / (2 * std**2 / float(sigmas[1] - sigmas[2]))
         ratio, adv = torch.exp(log_prob - log_prob.detach()), advantages[rows]
         loss = torch.max(-adv * ratio, -adv * ratio.clamp(1 - 1e-4, 1 + 1e-4)).mean() + 0.04 * kl
     loss.backward()  # FSDP2 averages the ranks' gradients: the mean over the whole batch

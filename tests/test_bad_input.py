@@ -124,7 +124,7 @@ def test_world_size_must_divide_prompts():
 def test_unknown_reward():
     with pytest.raises(SystemExit, match=r"unknown reward 'nonsense'; choose from \['hps', 'clip', 'pickscore', "
                                          r"'imagereward', 'aesthetic', 'unifiedreward', 'ocr', 'geneval', "
-                                         r"'deqa', 'jpeg'"):
+                                         r"'deqa', 'videoalign_vq', 'videoalign_mq', 'videoalign_ta', 'jpeg'"):
         load_rewards(["nonsense"], "cpu", models=RewardModels())
 
 

@@ -4,6 +4,7 @@ rot; and results/gpu_check.py's whole-iteration runs through the algorithm files
 import copy
 import dataclasses
 import json
+import math
 import os
 import re
 import sys
@@ -198,8 +199,8 @@ def test_gpu_check_script_runs_on_a_tiny_model(tmp_path, tiny_report):
     assert [c["name"] for c in configs] == grouped
     # one command per newer family (models.py), FLUX.2 [klein] and [dev] with a text cache of the check's own
     families = {estimate.model_architecture(m)[0] for m in models} - {"sd3", "flux"}
-    assert families == {"qwenimage", "flux2", "zimage"} and len(set(models)) == 6
-    assert sum("--text-cache" in c["argv"] for c in configs) == 2
+    assert families == {"qwenimage", "flux2", "zimage", "wan"} and len(set(models)) == 7
+    assert sum("--text-cache" in c["argv"] for c in configs) == 3  # FLUX.2 [klein] and [dev], Wan
     for c in configs:
         assert c["ok"] and c["iterations"] == 1 and c["checkpoints_saved"] == 1, c
         if c["script"] not in ("diffusion_nft", "dgpo"):  # a ratio of likelihoods (DiffusionNFT, DGPO: none)
@@ -256,8 +257,25 @@ def test_released_architectures_have_the_published_sizes():
     for arch, published in estimate.PUBLISHED.items():
         for built, count in zip(estimate.parameter_counts(arch), published):
             assert built == pytest.approx(count, rel=0.06 if count < 1e9 else 0.02), arch  # VAEs: "0.08B"
-    aliases = set(__import__("common").MODEL_ALIASES) - {"toy"}
+    aliases = set(__import__("common").MODEL_ALIASES) - {"toy", "toy-video"}
     assert aliases == set(estimate.ARCHITECTURE)  # every --model alias has its architecture
+
+
+@pytest.mark.slow
+def test_video_rows():
+    """The Wan rows: latents with a frame axis (33 frames -> 9 latent frames), decoded videos of every frame kept
+    for the rewards, an image reward on the frames --frame-reduce picks (mean: all 33; stride:4 of 9: 3), the
+    UMT5 embeddings from the text cache, and the 14B sharded (FSDP2) with true CFG."""
+    rows = {c[0].split(",")[1].strip(): c for c in estimate.COMMANDS  # the scale rows, not the README's recipes
+            if "Wan" in c[0] and c[3] == 8 and not c[0].endswith(("recipe)", "(ours)"))}
+    assert set(rows) == {"Wan2.1-T2V-1.3B", "Wan2.2-TI2V-5B", "Wan2.1-T2V-14B"}
+    e = estimate.estimate(*rows["Wan2.1-T2V-14B"], tiny=True, count_flops=False)
+    assert len(e["shape"]) == 4 and e["shape"][1] == 9 and e["pixels"][:2] == (3, 33) and e["frames_scored"] == 33
+    assert e["sharded"] and e["cfg"] and e["bytes"]["text encoders (on the CPU between encodings)"] == 0
+    assert e["kept"] >= e["P"] * e["args"].group_size * 4 * math.prod(e["pixels"])  # the decoded videos
+    e = estimate.estimate(*rows["Wan2.2-TI2V-5B"], tiny=True, count_flops=False)
+    assert e["shape"][0] == 48 and e["pixels"][1] == 9 and e["frames_scored"] == 3 and not e["sharded"]
+    assert set(e["peak"]) == set(estimate.PHASES)
 
 
 def test_only_models_a_third_of_the_card_stay_gathered_over_a_rollout():

@@ -106,7 +106,7 @@ def _analyse(images: torch.Tensor, prompts: list[str]) -> dict:
     purity = (explained + 1e-3) / (ink.sum((-1, -2)) + 1e-3)
     return dict(valid=valid.float(), presence=(inside / MIN_AREA).clamp(max=1), placement=inside / (area + 1e-6),
                 present=(area / MIN_AREA).clamp(max=1), p_shape=p_shape, iou=iou, shape=shape, purity=purity,
-                hard_area=(m > 0.5).float().sum((-1, -2)))
+                hard_area=(m > 0.5).float().sum((-1, -2)), area=area, cx=cx, cy=cy)
 
 
 def _mean_objects(v: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
