@@ -318,3 +318,38 @@ def release_run_directories():
     if "rundir" in sys.modules:
         sys.modules["rundir"].release_run_directories()
         sys.modules["rundir"].restore_signals()
+
+
+def learning_runs(tmp_path_factory, cases: dict, *, model: str, base: str, pairs: int, timeout: float) -> dict:
+    """The learning tests' runs: each case name: (script, iterations, flags, process) trained on `model` for its
+    iterations and evaluated on `pairs` held-out pairs at the end (`base` also at 0: every TOY preset samples
+    the same pairs alike), in two processes side by side, each running its cases in turn (tests/run_in_turn.py:
+    torch and diffusers imported once a process), one thread each. {name: (output dir, exit code, log)}."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", TOKENIZERS_PARALLELISM="false")
+    logs, out, turns = tmp_path_factory.mktemp("logs"), {}, [[], []]
+    for name, (script, iterations, extra, process) in cases.items():
+        out[name] = str(tmp_path_factory.mktemp(name))
+        args = ["--model", model, "--output-dir", out[name], "--num-iterations", str(iterations), "--eval-every",
+                str(iterations), "--eval-num", str(pairs), "--save-every", "0", "--log-images-every", "0", *extra,
+                *([] if name == base else ["--no-eval-base"])]
+        turns[process].append([name, script, args])
+    procs = []
+    for process, turn in enumerate(turns):
+        (logs / f"{process}.json").write_text(json.dumps(turn))
+        cmd = [sys.executable, os.path.join(ROOT, "tests", "run_in_turn.py"), str(logs / f"{process}.json")]
+        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True))
+    said = [p.communicate(timeout=timeout)[0] for p in procs]  # a run that fails is its case's failure
+    assert all(p.returncode == 0 for p in procs), said
+    result = {}
+    for name in cases:
+        code, log = (logs / f"{name}.log").read_text().split("\n", 1)
+        result[name] = (out[name], int(code), log)
+    return result
+
+
+def paired(before: list, after: list) -> tuple:
+    """The mean change over the same pairs and its paired standard error."""
+    d = [b - a for a, b in zip(before, after)]
+    mean = sum(d) / len(d)
+    return mean, (sum((x - mean) ** 2 for x in d) / (len(d) - 1) / len(d)) ** 0.5

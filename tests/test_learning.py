@@ -4,14 +4,11 @@ model. The runs use one thread each (deterministic on a given machine), in two p
 running its runs in turn (tests/run_in_turn.py: the same numbers as a process per run, in 806 CPU-s against
 998)."""
 import json
-import math
 import os
-import subprocess
-import sys
 
 import pytest
 
-from helpers import ROOT, read_metrics
+from helpers import learning_runs, paired, read_metrics
 
 pytestmark = pytest.mark.slow
 
@@ -59,33 +56,7 @@ BASE = "flow_grpo"  # the run that evaluates the base model: every file's TOY pr
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", TOKENIZERS_PARALLELISM="false")
-    logs, out, turns = tmp_path_factory.mktemp("logs"), {}, [[], []]
-    for name, (script, iterations, extra, process) in CASES.items():
-        out[name] = str(tmp_path_factory.mktemp(name))
-        args = ["--model", "toy", "--output-dir", out[name], "--num-iterations", str(iterations),
-                "--eval-every", str(iterations), "--eval-num", "256", "--save-every", "0", "--log-images-every",
-                "0", *extra, *([] if name == BASE else ["--no-eval-base"])]
-        turns[process].append([name, script, args])
-    procs = []
-    for process, turn in enumerate(turns):
-        (logs / f"{process}.json").write_text(json.dumps(turn))
-        cmd = [sys.executable, os.path.join(ROOT, "tests", "run_in_turn.py"), str(logs / f"{process}.json")]
-        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True))
-    said = [p.communicate(timeout=1800)[0] for p in procs]  # a run that fails is its case's failure, below
-    assert all(p.returncode == 0 for p in procs), said
-    result = {}
-    for name in CASES:
-        code, log = (logs / f"{name}.log").read_text().split("\n", 1)
-        result[name] = (out[name], int(code), log)
-    return result
-
-
-def paired(before, after):
-    d = [b - a for a, b in zip(before, after)]
-    mean = sum(d) / len(d)
-    return mean, math.sqrt(sum((x - mean) ** 2 for x in d) / (len(d) - 1) / len(d))
+    return learning_runs(tmp_path_factory, CASES, model="toy", base=BASE, pairs=256, timeout=1800)
 
 
 @pytest.mark.parametrize("name", CASES)

@@ -3,14 +3,11 @@
 motion reward of ODE samples on fixed prompt/seed pairs beyond 2 paired standard errors against the base model in a
 short run. The runs use one thread each, in two processes side by side; the base model is evaluated once."""
 import json
-import math
 import os
-import subprocess
-import sys
 
 import pytest
 
-from helpers import ROOT, read_metrics
+from helpers import learning_runs, paired, read_metrics
 
 pytestmark = pytest.mark.slow
 
@@ -42,33 +39,7 @@ BASE = "flow_grpo"  # every preset samples the same evaluation pairs: one base e
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", TOKENIZERS_PARALLELISM="false")
-    logs, out, turns = tmp_path_factory.mktemp("logs"), {}, [[], []]
-    for name, (script, iterations, extra, process) in CASES.items():
-        out[name] = str(tmp_path_factory.mktemp(name))
-        turns[process].append([name, script, ["--model", "toy-video", "--output-dir", out[name], "--num-iterations",
-                                              str(iterations), "--eval-every", str(iterations), "--eval-num",
-                                              str(PAIRS), "--save-every", "0", "--log-images-every", "0", *extra,
-                                              *([] if name == BASE else ["--no-eval-base"])]])
-    procs = []
-    for process, turn in enumerate(turns):
-        (logs / f"{process}.json").write_text(json.dumps(turn))
-        procs.append(subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "run_in_turn.py"),
-                                       str(logs / f"{process}.json")], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True))
-    said = [p.communicate(timeout=3600)[0] for p in procs]  # a run that fails is its case's failure, below
-    assert all(p.returncode == 0 for p in procs), said
-    result = {}
-    for name in CASES:
-        code, log = (logs / f"{name}.log").read_text().split("\n", 1)
-        result[name] = (out[name], int(code), log)
-    return result
-
-
-def paired(before, after):
-    d = [b - a for a, b in zip(before, after)]
-    mean = sum(d) / len(d)
-    return mean, math.sqrt(sum((x - mean) ** 2 for x in d) / (len(d) - 1) / len(d))
+    return learning_runs(tmp_path_factory, CASES, model="toy-video", base=BASE, pairs=PAIRS, timeout=3600)
 
 
 @pytest.mark.parametrize("name", CASES)
