@@ -325,7 +325,7 @@ def learning_runs(tmp_path_factory, cases: dict, *, model: str, base: str, pairs
     iterations and evaluated on `pairs` held-out pairs at the end (`base` also at 0: every TOY preset samples
     the same pairs alike), in two processes side by side, each running its cases in turn (tests/run_in_turn.py:
     torch and diffusers imported once a process), one thread each. {name: (output dir, exit code, log)}."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", TOKENIZERS_PARALLELISM="false")
+    env = script_env()
     logs, out, turns = tmp_path_factory.mktemp("logs"), {}, [[], []]
     for name, (script, iterations, extra, process) in cases.items():
         out[name] = str(tmp_path_factory.mktemp(name))
