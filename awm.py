@@ -50,6 +50,9 @@ class Args:
     """frames per sample, for models whose samples have them (docs/video.md; none: the model's default)"""
     fps: int = 16
     """frames per second of the exported samples, and of what a reward receives, where samples have frames"""
+    condition_size: int | None = None
+    """editing models: each source image resized to this many pixels' area (a side of a square) at its aspect
+    ratio; 0: as it is; none: as the model's pipeline resizes it (docs/editing.md)"""
     max_sequence_length: int = 128
     """prompt length in tokens (T5's, or the family's text encoder's)"""
     text_cache: str | None = None

@@ -23,6 +23,7 @@ which imports this module.
 import contextlib
 import dataclasses
 import gc
+import hashlib
 import io
 import itertools
 import json
@@ -278,6 +279,7 @@ def coca_credit(advantages, x0_hats, final, *, window: int, alpha: float, group_
 # the functions here are the same for every family and look its entry up by the `kind` load_pipeline returns.
 MODEL_ALIASES = {"toy": os.path.join(HERE, "toy", "flux-shapes"),  # short --model names
                  "toy-video": os.path.join(HERE, "toy", "wan-shapes"),
+                 "toy-edit": os.path.join(HERE, "toy", "flux-kontext-shapes"),
                  **{a: hub for f in FAMILIES.values() for a, hub in f["aliases"].items()}}
 NFE = {"count": 0}  # per-sample transformer evaluations (a CFG pair counts once), counted in velocity()
 
@@ -288,7 +290,7 @@ def load_pipeline(model: str, device, *, dtype=torch.float32):
     from diffusers import DiffusionPipeline
     path = MODEL_ALIASES.get(model, model)
     hub_id = path.count("/") == 1 and not path.startswith((".", "/", "~")) and not os.path.exists(path)
-    if model in ("toy", "toy-video") and not os.path.isdir(path):
+    if model in ("toy", "toy-video", "toy-edit") and not os.path.isdir(path):
         fail(f"the toy model is not at {path!r}: copy this project's toy/{os.path.basename(path)} there "
              f"(README: copying one file), or pass --model <a pipeline directory>")
     if not os.path.isdir(path) and not hub_id:
@@ -644,6 +646,7 @@ TOY_REWARDS = ["toy_color_position", "toy_shape_count", "toy_strict",  # toy/wor
                "toy_proxy"]  # and the learned proxy of the first two (toy/proxy.py)
 VIDEO_TOY_REWARDS = ["toy_frame", "toy_frame_first", "toy_frame_mean", "toy_motion", "toy_consistency",
                      "toy_video_strict"]  # the moving-shapes world's (toy/video_world.py)
+EDIT_TOY_REWARDS = ["toy_edit", "toy_preserve", "toy_edit_strict"]  # the editing world's (toy/edit_world.py)
 
 
 def import_sibling(name: str):
@@ -660,7 +663,7 @@ def import_sibling(name: str):
 def check_rewards(names, models: RewardModels):
     """Unknown reward names, missing reward model files (rewards.check): one-line errors before loading."""
     for name in names:
-        known = LEARNED + list(REWARD_FUNCTIONS) + TOY_REWARDS + VIDEO_TOY_REWARDS
+        known = LEARNED + list(REWARD_FUNCTIONS) + TOY_REWARDS + VIDEO_TOY_REWARDS + EDIT_TOY_REWARDS
         if name not in known:
             fail(f"unknown reward {name!r}; choose from {known}")
         if name in LEARNED:
@@ -698,6 +701,10 @@ def load_rewards(names, device, *, models: RewardModels, dtype=torch.float32, fp
             out[name] = REWARD_FUNCTIONS[name]
         elif name == "toy_proxy":  # the toy world's learned proxy (toy/proxy.py), its weights checked now
             out[name] = import_sibling("toy.proxy").load_reward(device)
+        elif name in EDIT_TOY_REWARDS:  # the editing world's exact rewards (toy/edit_world.py)
+            world = import_sibling("toy.edit_world")
+            strict = {"toy_edit_strict": "toy_edit_strict_accuracy"}
+            out[name] = getattr(world, strict.get(name, name + "_reward"))
         elif name in VIDEO_TOY_REWARDS:  # the moving-shapes world's exact rewards (toy/video_world.py)
             world = import_sibling("toy.video_world")
             strict = {"toy_video_strict": "toy_video_strict_accuracy"}
@@ -733,15 +740,69 @@ def score(rewards: dict, images, prompts, *, evaluation: bool = False) -> dict:
 
 class Prompt(str):
     """A prompt of a .jsonl file: the text, with its line's JSON object as .metadata (GenEval's tag, include,
-    exclude), which indexing, grouping and sharding keep; rewards.py reads it."""
+    exclude), which indexing, grouping and sharding keep; rewards.py reads it. An editing prompt also has
+    .images, its source images (each a file path or uint8 [3, H, W]), and .key, the text and a hash of the
+    images: two edits with one instruction are two prompts (the text cache's file names)."""
 
-    def __new__(cls, text: str, metadata: dict):
+    def __new__(cls, text: str, metadata: dict, images: tuple = (), key: str | None = None):
         prompt = super().__new__(cls, text)
-        prompt.metadata = metadata
+        prompt.metadata, prompt.images = metadata, tuple(images)
+        prompt.key = key or (text if not images else f"{text}\0{images_hash(prompt.images)}")
         return prompt
 
     def __reduce__(self):
-        return Prompt, (str(self), self.metadata)
+        return Prompt, (str(self), self.metadata, self.images, self.key)
+
+
+def images_hash(images) -> str:
+    """A hash of source images: their pixels (uint8 tensors), or their files' paths, sizes and times."""
+    h = hashlib.sha256()
+    for image in images:
+        if isinstance(image, str):
+            st = os.stat(image)
+            h.update(f"{os.path.abspath(image)}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
+        else:
+            h.update(repr(tuple(image.shape)).encode() + image.contiguous().numpy().tobytes())
+    return h.hexdigest()[:24]
+
+
+IMAGE_SIDE = (8, 8192)  # pixels a source image's side may have
+MAX_IMAGES = 8  # source images an editing prompt may have
+
+
+def source_images(row: dict, *, where: str, folder: str) -> tuple:
+    """The source images of a .jsonl row ("image": path, or "images": [path, ...], relative to the file's
+    folder), each checked now from its header (there, readable as an image, sides within IMAGE_SIDE); else one
+    line naming `where`."""
+    from PIL import Image, UnidentifiedImageError
+    if "image" in row and "images" in row:
+        fail(f"{where} has both \"image\" and \"images\"; give one")
+    paths = row.get("images", [row["image"]] if "image" in row else [])
+    if "image" in row and not isinstance(row["image"], str):
+        fail(f"{where}: \"image\" must be a path (a string), not {json.dumps(row['image'])[:40]}")
+    if not isinstance(paths, list) or not 1 <= len(paths) <= MAX_IMAGES or \
+            not all(isinstance(p, str) for p in paths):
+        fail(f"{where}: \"images\" must be a list of 1 to {MAX_IMAGES} paths (strings)")
+    out = []
+    for name in paths:
+        path = os.path.join(folder, name)
+        if not os.path.isfile(path):
+            fail(f"{where}: image {name!r} does not exist (paths are relative to the prompt file)")
+        try:
+            with Image.open(path) as image:
+                w, h = image.size
+        except (OSError, UnidentifiedImageError, ValueError, Image.DecompressionBombError) as e:
+            fail(f"{where}: image {name!r} cannot be read as an image ({type(e).__name__})")
+        if not (IMAGE_SIDE[0] <= min(w, h) and max(w, h) <= IMAGE_SIDE[1]):
+            fail(f"{where}: image {name!r} is {w}x{h} pixels (width x height); a side may be "
+                 f"{IMAGE_SIDE[0]} to {IMAGE_SIDE[1]}")
+        out.append(path)
+    return tuple(out)
+
+
+def prompt_key(prompt) -> str:
+    """What tells prompts apart: the text, and an editing prompt's source images (Prompt.key)."""
+    return getattr(prompt, "key", str(prompt))
 
 
 def load_prompt_set(path: str, *, split: str = "train", rewards=()) -> list[str]:
@@ -749,10 +810,11 @@ def load_prompt_set(path: str, *, split: str = "train", rewards=()) -> list[str]
     line (Flow-GRPO's GenEval metadata; each a Prompt), or 'toy': the toy world's grammar. If `rewards` name a
     toy reward, every prompt must be in its grammar; ocr and geneval: rewards.check_prompts (checked here,
     before any model loads)."""
-    if path in ("toy", "toy-video"):
-        world = import_sibling("toy.world" if path == "toy" else "toy.video_world")
-        draw = world.toy_prompts if path == "toy" else world.video_prompts
-        return draw(4096 if split == "train" else 1024, seed=0 if split == "train" else 1)
+    if path in ("toy", "toy-video", "toy-edit"):
+        module = {"toy": "toy.world", "toy-video": "toy.video_world", "toy-edit": "toy.edit_world"}[path]
+        world = import_sibling(module)
+        draw = {"toy": "toy_prompts", "toy-video": "video_prompts", "toy-edit": "edit_prompts"}[path]
+        return getattr(world, draw)(4096 if split == "train" else 1024, seed=0 if split == "train" else 1)
     if os.path.isdir(path):
         fail(f"prompt file {path!r} is a directory; pass a text file with one prompt per line (or a .jsonl "
              f"file)")
@@ -785,19 +847,26 @@ def load_prompt_set(path: str, *, split: str = "train", rewards=()) -> list[str]
                 fail(f"line {n} of prompt file {path!r} has the prompt {json.dumps(row['prompt'])[:60]}; a "
                      f"prompt must be a non-empty string")
         text = row["prompt"] if row else line
+        images = source_images(row, where=f"line {n} of prompt file {path!r}", folder=os.path.dirname(path)) \
+            if row and ("image" in row or "images" in row) else ()
+        if prompts and bool(images) != bool(getattr(prompts[0], "images", ())):
+            first = "has no image" if not images else "has images"
+            fail(f"line {n} of prompt file {path!r} {first}, line {lines[0][0]} "
+                 f"{'has' if not images else 'has none'}; an editing prompt set gives every line its images")
         bad = re.search(r"[\x00-\x08\x0a-\x1f\x7f-\x9f\ud800-\udfff]", text)
         if bad:
             what = "a NUL character" if bad[0] == "\0" else "a lone surrogate" if bad[0] >= "\ud800" else \
                 "a control character"
             fail(f"line {n} of prompt file {path!r} has {what} ({shown(bad[0])}) in its prompt; a prompt is "
                  f"text: no control character but tab, no lone surrogate")
-        prompts.append(Prompt(text, row) if row else text)
+        prompts.append(Prompt(text, row, images=images) if row else text)
     if not prompts:
         fail(f"prompt file {path!r} is empty; it needs at least one prompt (one per line)")
     if {"ocr", "geneval"} & set(rewards):
         import_sibling("rewards").check_prompts(rewards, prompts, [f"line {n} of {path!r}" for n, _ in lines])
     for module, parser, names, world in (("toy.world", "parse_toy_prompt", TOY_REWARDS, "toy-world"), (
-            "toy.video_world", "parse_video_prompt", VIDEO_TOY_REWARDS, "moving-shapes")):
+            "toy.video_world", "parse_video_prompt", VIDEO_TOY_REWARDS, "moving-shapes"), (
+            "toy.edit_world", "parse_edit", EDIT_TOY_REWARDS, "editing toy-world")):
         wanted = [r for r in rewards if r in names]
         parse = import_sibling(module).__dict__[parser] if wanted else None
         for p in prompts if wanted else []:
@@ -829,7 +898,7 @@ ARG_RANGES = {
     "ema_every": "[1, 1e9]", "num_iterations": "[1, 1e9]", "eval_every": "[0, 1e9]", "eval_num": "[1, 1e7]",
     "save_every": "[0, 1e9]", "keep_checkpoints": "[0, 1e9]", "log_images_every": "[0, 1e9]",
     "reward_timeout": "(0, 86400]", "reward_retries": "[0, 100]", "threads": "[1, 4096]",
-    "width": "[1, 16384]", "num_frames": "[1, 1024]", "fps": "(0, 1000]",
+    "width": "[1, 16384]", "num_frames": "[1, 1024]", "fps": "(0, 1000]", "condition_size": "[0, 16384]",
     # algorithm specific: CoCA, DenseGRPO, G2RPO, MixGRPO, DiffusionNFT, AWM, DGPO, Flow-DPPO
     "coca_window": "[1, 1000]", "coca_alpha": "[0, 1]", "dense_ode_steps": "[1, 1000]", "eps1": "(0, 1e4]",
     "eps2": "(0, 10]", "psi_range": "[0, 10]", "sde_steps": "[0, 1000]", "lambdas": "[1, 1000]",

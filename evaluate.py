@@ -48,9 +48,9 @@ from common import (ARG_RANGES, MODEL_ALIASES, RewardModels, as_reference, broad
                     close_distributed, decode, drop_text_encoders, encode_prompts, fail, gather_cat,
                     latent_shape, load_pipeline, load_prompt_set, load_rewards, loggable, ode_complete,
                     pipeline_sigmas, place, score, select, setup_distributed, velocity)
-from rundir import (check_model_directory, decimals, hold_run_directory, latest_checkpoint, paired_change,
-                    parse_args, read_run_json, safetensors_header, stop_on_write_error, use_checkpoint,
-                    weights_fingerprint, write_atomically)
+from rundir import (check_editing, check_model_directory, decimals, hold_run_directory, latest_checkpoint,
+                    paired_change, parse_args, read_run_json, safetensors_header, stop_on_write_error,
+                    use_checkpoint, weights_fingerprint, write_atomically)
 from rundir import read_json as read_bounded_json
 
 
@@ -93,6 +93,9 @@ class Args:
     """frames per sample, for models whose samples have them (docs/video.md; none: the model's default)"""
     fps: int = 16
     """frames per second of what a reward receives, where samples have frames"""
+    condition_size: int | None = None
+    """editing models: each source image resized to this many pixels' area (a side of a square) at its aspect
+    ratio; 0: as it is; none: as the model's pipeline resizes it (docs/editing.md)"""
     max_sequence_length: int = 512
     """T5 prompt length in tokens (the SD3 papers: 128)"""
     micro_batch: int = 4
@@ -399,6 +402,7 @@ if __name__ == "__main__":
                            fps=args.fps)
     pipe, kind = load_pipeline(args.model, "cpu", dtype=compute_dtype)  # the text encoders first, alone
     check_guidance(pipe, kind, args.guidance)
+    check_editing(pipe, kind, [p for p, _ in pairs], condition_size=args.condition_size)
     base = pipe.transformer
     base_weights = weights_fingerprint(base)
     for entry in entries:  # before anything is scored

@@ -106,7 +106,9 @@ def flux_encode(pipe, prompts, *, max_sequence_length, guidance, device):
 
 
 def flux_velocity(transformer, x, t, emb, *, guidance, detach_uncond):
-    """Packed 2x2 latents, position ids, the timestep sigma, the guidance embedding of FLUX.1-dev."""
+    """Packed 2x2 latents, position ids, the timestep sigma, the guidance embedding of FLUX.1-dev; an editing
+    prompt's source tokens (emb "cond", FLUX.1 Kontext) after the target's, the prediction cut back to
+    them."""
     from diffusers import FluxPipeline
     b, c, h, w = x.shape
     dtype = next(transformer.parameters()).dtype
@@ -114,11 +116,14 @@ def flux_velocity(transformer, x, t, emb, *, guidance, detach_uncond):
     txt_ids = torch.zeros(emb["embeds"].shape[1], 3, device=x.device, dtype=dtype)
     distilled = transformer.config.guidance_embeds  # FLUX.1-dev: guidance is an input, not CFG
     g = torch.full((b,), guidance, device=x.device, dtype=dtype) if distilled else None
-    out = transformer(hidden_states=pack(x.to(dtype)), timestep=t, guidance=g,
-                      encoder_hidden_states=emb["embeds"].to(dtype),
-                      pooled_projections=emb["pooled"].to(dtype), txt_ids=txt_ids, img_ids=img_ids,
-                      return_dict=False)[0]
-    return unpack(out, x.shape)
+    tokens = pack(x.to(dtype))
+    if "cond" in emb:  # pipeline_flux_kontext.py: cat([latents, image_latents], 1), cat([ids, image_ids])
+        tokens = torch.cat([tokens, emb["cond"].to(dtype)], 1)
+        img_ids = torch.cat([img_ids, shared_ids(emb["cond_ids"]).to(dtype)])
+    embeds, pooled = emb["embeds"].to(dtype), emb["pooled"].to(dtype)
+    out = transformer(hidden_states=tokens, timestep=t, guidance=g, encoder_hidden_states=embeds,
+                      pooled_projections=pooled, txt_ids=txt_ids, img_ids=img_ids, return_dict=False)[0]
+    return unpack(out[:, :h * w // 4], x.shape)
 
 
 def vae_decode(pipe, z):
@@ -130,6 +135,76 @@ def vae_decode(pipe, z):
 
 def flux_blocks(model):
     return [*model.transformer_blocks, *getattr(model, "single_transformer_blocks", [])]
+
+
+# ======== FLUX.1 Kontext (FluxKontextPipeline): editing, the source's tokens after the target's ========
+def source_image(image):
+    """A source image as the pipelines take it: a PIL RGB image of a file path, or of uint8 [3, H, W]."""
+    from PIL import Image
+    if isinstance(image, str):
+        with Image.open(image) as f:
+            return f.convert("RGB")
+    return Image.fromarray(image.permute(1, 2, 0).cpu().numpy())
+
+
+def condition_hw(height: int, width: int, *, size, multiple: int, preferred=None):
+    """The (height, width) a source of (height, width) is resized to: with `size` None the pipeline's own
+    (`preferred` (width, height) list: the one nearest in aspect ratio; none: as it is), 0 as it is, else the
+    area of a size x size square at the source's aspect ratio; each side floored to `multiple`."""
+    if size is None and preferred:
+        _, width, height = min((abs(width / height - w / h), w, h) for w, h in preferred)
+    elif size:
+        scale = size / (height * width) ** 0.5
+        height, width = round(height * scale), round(width * scale)
+    if height < multiple or width < multiple:
+        raise SystemExit(f"error: a source image of {height}x{width} pixels is smaller than this model's "
+                         f"multiple {multiple}; pass a larger --condition-size")
+    return height // multiple * multiple, width // multiple * multiple
+
+
+MIXED_SIZES = ("error: the source images of one batch have different sizes after resizing; pass "
+               "--condition-size S (each source resized to S x S pixels' area) and sources of one aspect "
+               "ratio")
+
+
+def shared_ids(cond_ids):
+    """The condition's position ids [N, 3] that every row of a batch shares, or a one-line error."""
+    if len(cond_ids) > 1 and not bool((cond_ids == cond_ids[:1]).all()):
+        raise SystemExit(MIXED_SIZES)
+    return cond_ids[0]
+
+
+def kontext_encode(pipe, prompts, *, max_sequence_length, guidance, device):
+    """FLUX.1's text embeddings and, for editing prompts, each one's source image resized as the pipeline's
+    __call__ resizes it (its preferred resolution nearest in aspect ratio, or pipe.condition_size:
+    condition_hw), VAE-encoded (the posterior's mode), normalised and packed: "cond" [B, N, 4C] and its
+    position ids "cond_ids" [B, N, 3] (first axis 1: pipeline_flux_kontext.py prepare_latents)."""
+    from diffusers import FluxKontextPipeline
+    from diffusers.pipelines.flux.pipeline_flux_kontext import PREFERRED_KONTEXT_RESOLUTIONS
+    out = flux_encode(pipe, prompts, max_sequence_length=max_sequence_length, guidance=guidance,
+                      device=device)
+    counts = {len(getattr(p, "images", ())) for p in prompts}
+    if counts == {0}:
+        return out
+    if counts != {1}:
+        raise SystemExit(f"error: FLUX.1 Kontext edits one source image per prompt; these prompts have "
+                         f"{sorted(counts)}")
+    tokens, ids = [], []
+    for p in prompts:
+        image = source_image(p.images[0])
+        h, w = pipe.image_processor.get_default_height_width(image)  # floored to 2f: the ratio it reads
+        h, w = condition_hw(h, w, size=getattr(pipe, "condition_size", None),
+                            multiple=2 * pipe.vae_scale_factor, preferred=PREFERRED_KONTEXT_RESOLUTIONS)
+        pixels = pipe.image_processor.preprocess(pipe.image_processor.resize(image, h, w), h, w)
+        z = pipe._encode_vae_image(pixels.to(pipe.vae.device, pipe.vae.dtype), generator=None)
+        tokens.append(pack(z)[0])
+        cond_ids = FluxKontextPipeline._prepare_latent_image_ids(1, z.shape[2] // 2, z.shape[3] // 2, "cpu",
+                                                                 z.dtype)
+        cond_ids[..., 0] = 1
+        ids.append(cond_ids)
+    if len({len(t) for t in tokens}) > 1:
+        raise SystemExit(MIXED_SIZES)
+    return {**out, "cond": torch.stack(tokens).to(device), "cond_ids": torch.stack(ids).to(device)}
 
 
 # ======== SD3 (StableDiffusion3Pipeline) ========
@@ -388,6 +463,21 @@ FAMILIES = {
         "mu": lambda pipe, latent, steps: calculate_shift(latent[1] * latent[2] // 4, pipe.scheduler.config),
         "base_sigmas": linspace_sigmas, "encode": flux_encode, "velocity": flux_velocity,
         "decode": vae_decode,
+        "lora_targets": lambda t: _ATTN + ["ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj",
+                                           "ff_context.net.2"],
+        "blocks": flux_blocks, "guidance": lambda pipe: "embedded" if pipe.transformer.config.guidance_embeds
+        else "none", "negative": None},
+    "kontext": {
+        "call_guidance": lambda g: f"guidance_scale={g}",
+        "pipelines": ("FluxKontextPipeline",), "transformers": ("FluxTransformer2DModel",),
+        "aliases": {"flux-kontext-dev": "black-forest-labs/FLUX.1-Kontext-dev"},
+        "latent": lambda pipe, r: square(r, f=pipe.vae_scale_factor, mult=2 * pipe.vae_scale_factor,
+                                         channels=pipe.transformer.config.in_channels // 4),
+        "mu": lambda pipe, latent, steps: calculate_shift(latent[1] * latent[2] // 4, pipe.scheduler.config),
+        "base_sigmas": linspace_sigmas, "encode": kontext_encode, "velocity": flux_velocity,
+        "decode": vae_decode, "editing": True,
+        "call_image": lambda h, w, size: f"image=source, max_area={h * w}, "
+        + ("" if size is None else "_auto_resize=False, "),  # (--condition-size > 0: resize the source first)
         "lora_targets": lambda t: _ATTN + ["ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj",
                                            "ff_context.net.2"],
         "blocks": flux_blocks, "guidance": lambda pipe: "embedded" if pipe.transformer.config.guidance_embeds

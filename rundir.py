@@ -32,6 +32,7 @@ import time
 import types
 import typing
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -39,8 +40,8 @@ from common import (FAMILIES, JSON_DEPTH, MODEL_ALIASES, NFE, SECRETS, TEXT_ENCO
                     broadcast_object, check_guidance, close_distributed, decode, drop_text_encoders,
                     ema_update, encode_prompts, fail, family_of, gather_cat, gathered, is_main_rank,
                     latent_shape, load_pipeline, load_prompt_set, load_rewards, loggable, make_trainable,
-                    max_over_ranks, ode_complete, optimizer_step, parse_json, pipeline_sigmas, score,
-                    seed_everything, setup_distributed, shown, sum_over_ranks, swapped_in)
+                    max_over_ranks, ode_complete, optimizer_step, parse_json, pipeline_sigmas, prompt_key,
+                    score, seed_everything, setup_distributed, shown, sum_over_ranks, swapped_in)
 
 
 # ======== 0. The run ========
@@ -139,11 +140,18 @@ TOY_VIDEO_WORLD = dict(  # the moving-shapes world (toy/video_world.py) on top o
     metrics=("toy_frame_first", "toy_frame_mean", "toy_motion", "toy_consistency", "toy_video_strict"))
 
 
+TOY_EDIT_WORLD = dict(  # the editing world (toy/edit_world.py) on top of a file's TOY preset
+    model="toy-edit", prompts="toy-edit", eval_prompts="toy-edit", rewards=("toy_edit", "toy_preserve"),
+    eval_rewards=("toy_edit_strict",), condition_size=0,
+    metrics=("toy_edit", "toy_preserve", "toy_edit_strict"))
+TOY_WORLDS = {"video": TOY_VIDEO_WORLD, "edit": TOY_EDIT_WORLD}
+
+
 def toy_world_of(model: str | None) -> str | None:
-    """"image" or "video" for a toy pipeline (by its alias, or by the toy_world.json its directory holds
-    wherever it was copied: toy/make_toy.py, toy/make_video_toy.py), else None."""
-    if model in ("toy", "toy-video"):
-        return "image" if model == "toy" else "video"
+    """"image", "video" or "edit" for a toy pipeline (by its alias, or by the toy_world.json its directory
+    holds wherever it was copied: toy/make_toy.py, make_video_toy.py, make_edit_toy.py), else None."""
+    if model in ("toy", "toy-video", "toy-edit"):
+        return {"toy": "image", "toy-video": "video", "toy-edit": "edit"}[model]
     marker = os.path.join(model or "", "toy_world.json")
     if not model or not os.path.isfile(marker):
         return None
@@ -152,7 +160,8 @@ def toy_world_of(model: str | None) -> str | None:
             about = parse_json(f.read((1 << 16) + 1), limit=1 << 16)
     except (OSError, ValueError):
         return "image"
-    return "video" if isinstance(about, dict) and about.get("world") == "video" else "image"
+    world = about.get("world") if isinstance(about, dict) else None
+    return world if world in TOY_WORLDS else "image"
 
 
 def parse_args(args_class, *, toy: dict, description: str):
@@ -168,13 +177,14 @@ def parse_args(args_class, *, toy: dict, description: str):
     wants_toy = world is not None
     saved = checkpoint_arguments(resume[-1]) if resume else None
     fields = {f.name for f in dataclasses.fields(args_class)}
-    preset = {**toy, **{k: v for k, v in TOY_VIDEO_WORLD.items() if k in fields}} if world == "video" else toy
+    preset = {**toy, **{k: v for k, v in TOY_WORLDS.get(world, {}).items() if k in fields}}
     default = dataclasses.replace(args_class(), **preset) if wants_toy else args_class()
     if saved is not None:
         default = arguments_from(args_class, saved)
         description += " (--resume: the defaults below are the arguments its checkpoint recorded)"
     elif wants_toy:
-        alias, where = ("toy-video", " in the moving-shapes world") if world == "video" else ("toy", "")
+        alias, where = {"video": ("toy-video", " in the moving-shapes world"),
+                        "edit": ("toy-edit", " in the editing world")}.get(world, ("toy", ""))
         description += f" (--model {alias}: the defaults below are the file's TOY preset{where})"
     try:
         args = tyro.cli(args_class, default=default, description=description)
@@ -247,6 +257,7 @@ def start_run(args, *, script: str, check_args, planned_nfe, reference: bool, co
         on_cpu = bool(args.text_cache) or sharded
         pipe, kind = load_pipeline(args.model, "cpu" if on_cpu else device, dtype=compute_dtype)
         check_guidance(pipe, kind, args.guidance)
+        check_editing(pipe, kind, train_prompts + eval_prompts, condition_size=args.condition_size)
         base_weights = weights_fingerprint(pipe.transformer)  # what a checkpoint was trained from
         trained_on = read_run_json(ckpt).get("base_weights") if ckpt else None
         if trained_on and trained_on != base_weights:  # (older checkpoints have none)
@@ -287,6 +298,17 @@ def start_run(args, *, script: str, check_args, planned_nfe, reference: bool, co
     except BaseException:
         discard_new_run(run_dir, writer=writer, resumed=ckpt is not None)
         raise
+
+
+def check_editing(pipe, kind: str, prompts: list, *, condition_size: int | None):
+    """Editing prompts (with source images) for an editing model only; the condition size the family's encode
+    reads (pipe.condition_size)."""
+    pipe.condition_size = condition_size
+    edits = any(getattr(p, "images", ()) for p in prompts)
+    if edits and not FAMILIES[kind].get("editing"):
+        editors = [c for f in FAMILIES.values() if f.get("editing") for c in f["pipelines"]]
+        fail(f"the prompt set has source images (an editing set), and this {type(pipe).__name__} generates "
+             f"from text alone; pass an editing model ({', '.join(editors)}) or a prompt set without images")
 
 
 def check_model_directory(model: str):
@@ -641,8 +663,9 @@ class Run:
             images, prompt, sample_scores = samples
             captions = [f"{prompt[:40]}\n" + " ".join(f"{k}={v[i]:.3f}" for k, v in sample_scores.items())
                         for i in range(len(images))]
+            images = beside_sources(images.cpu(), [prompt] * len(images))
             with stop_on_write_error(self.run_dir):
-                self.writer.add_figure("samples", image_grid(images.cpu(), captions), done)
+                self.writer.add_figure("samples", image_grid(images, captions), done)
         if (args.save_every and done % args.save_every == 0) or last:
             self.save(done)
 
@@ -1223,6 +1246,20 @@ def image_grid(images, captions, ncols: int = 6, path: str | None = None, title:
     return fig
 
 
+def beside_sources(images, prompts: list):
+    """Images [B, 3, H, W] of editing prompts each with its first source image on its left (resized to the
+    result's size, a 2-pixel gap): [B, 3, H, 2 W + 2]; other images (and videos) as they are."""
+    if images.ndim != 4 or not getattr(prompts[0], "images", ()):
+        return images
+    from models import source_image
+    h, w = images.shape[-2:]
+    out = torch.zeros(len(images), 3, h, 2 * w + 2)
+    for i, p in enumerate(prompts):
+        src = torch.from_numpy(np.asarray(source_image(p.images[0]).resize((w, h)))).permute(2, 0, 1)
+        out[i, :, :, :w], out[i, :, :, w + 2:] = src.float() / 255, images[i].float()
+    return out
+
+
 GRID = 12  # evaluation pairs shown in each evaluation's grid
 
 
@@ -1232,8 +1269,10 @@ def save_eval_grid(run_dir: str, iteration: int, images, prompts: list, scores: 
     videos also eval_<iteration>.webp, the same pairs playing (save_video_grid)."""
     captions = ["\n".join(textwrap.wrap(p, 34) + [f"{k} {v[i]:.3f}" for k, v in scores.items()])
                 for i, p in enumerate(prompts[:n])]
-    image_grid(images[:n].cpu(), captions, path=os.path.join(run_dir, "samples", f"eval_{iteration}.png"),
-               title=f"iteration {iteration}: ODE samples of fixed prompt / seed pairs")
+    edits = " (edits: source | result)" if getattr(prompts[0], "images", ()) else ""
+    image_grid(beside_sources(images[:n].cpu(), prompts[:n]), captions,
+               path=os.path.join(run_dir, "samples", f"eval_{iteration}.png"),
+               title=f"iteration {iteration}: ODE samples of fixed prompt / seed pairs{edits}")
     if images.ndim == 5:
         save_video_grid(images[:n], os.path.join(run_dir, "samples", f"eval_{iteration}.webp"), fps=fps)
 
@@ -1403,11 +1442,15 @@ def run_summary(run_dir: str, *, args, pipe, weights: dict, seconds: float) -> s
                     f"pipe.load_lora_weights({os.path.join(ckpt, 'lora')!r})")
         entry = FAMILIES[family_of(pipe)]
         frames = f"num_frames={args.num_frames or 33}, " if "frames" in entry else ""
-        call = (f"pipe(prompt='a red circle on the left', height={args.resolution}, "
-                f"width={args.width or args.resolution}, {frames}num_inference_steps={args.eval_steps}, "
-                f"{entry['call_guidance'](args.guidance)}, max_sequence_length={args.max_sequence_length})")
+        height, width = args.resolution, args.width or args.resolution
+        prompt = "make the red circle blue" if "call_image" in entry else "a red circle on the left"
+        source = entry["call_image"](height, width, args.condition_size) if "call_image" in entry else ""
+        call = (f"pipe({source}prompt={prompt!r}, height={height}, width={width}, {frames}"
+                f"num_inference_steps={args.eval_steps}, {entry['call_guidance'](args.guidance)}, "
+                f"max_sequence_length={args.max_sequence_length})")
         out += [f"Checkpoint: {ckpt} (continue with --resume {os.path.abspath(run_dir)}); in diffusers:",
                 f"  from diffusers import {pipe_cls}, {tr_cls}", f"  {load}"]
+        out += ["  source = diffusers.utils.load_image('source.png')  # an image to edit"] if source else []
         out += [f"  video = {call}.frames[0]  # diffusers.utils.export_to_video(video, 'a.mp4', "
                 f"fps={args.fps})"] if frames else [f"  image = {call}.images[0]"]
     return "\n".join(out)
@@ -1443,7 +1486,9 @@ def load_psi(path: str, num_steps: int) -> list[float]:
 # A file per prompt (its embeddings, a padded one cut to its tokens), the negative prompt's once, and
 # meta.json (what the embeddings depend on). Runs of one model and --max-sequence-length share a directory.
 def text_cache_file(directory: str, prompt: str) -> str:
-    return os.path.join(directory, hashlib.sha256(prompt.encode()).hexdigest()[:40] + ".safetensors")
+    """The file of a prompt's embeddings: a hash of its text and, for an edit, of its source images."""
+    name = hashlib.sha256(prompt_key(prompt).encode()).hexdigest()[:40]
+    return os.path.join(directory, name + ".safetensors")
 
 
 def text_fingerprint(pipe, kind: str, max_sequence_length: int) -> dict:
@@ -1462,8 +1507,12 @@ def text_fingerprint(pipe, kind: str, max_sequence_length: int) -> dict:
         vocab = getattr(t, "tokenizer", t).get_vocab() if t is not None else None  # FLUX.2 [dev]: a processor
         words = hashlib.sha256(repr(sorted(vocab.items())).encode()).hexdigest()[:16] if vocab else ""
         tokenizers += [f"{type(t).__name__} {len(vocab)} {words}"] if t is not None else []
-    return {"family": kind, "text_encoders": encoders, "tokenizers": tokenizers,
+    meta = {"family": kind, "text_encoders": encoders, "tokenizers": tokenizers,
             "max_sequence_length": max_sequence_length}
+    if FAMILIES[kind].get("editing"):  # the source images' tokens: the VAE and the size they are encoded at
+        meta["condition"] = {"vae": weights_fingerprint(pipe.vae),
+                             "condition_size": getattr(pipe, "condition_size", None)}
+    return meta
 
 
 def cache_rows(emb: dict) -> tuple[list[dict], list[str]]:
@@ -1504,7 +1553,7 @@ def fill_text_cache(pipe, kind: str, prompts: list[str], *, directory: str, devi
     chunk = 16  # prompts per encoder call
     encode = functools.partial(encode_prompts, pipe, kind, max_sequence_length=max_sequence_length, cfg=cfg,
                                device=device)
-    unique = list(dict.fromkeys(prompts))
+    unique = list({prompt_key(p): p for p in prompts}.values())  # an instruction over two sources: two
     for name in TEXT_ENCODERS:  # on the device until they are dropped (encode_prompts leaves them there)
         if getattr(pipe, name, None) is not None:
             getattr(pipe, name).to(device)
@@ -1523,7 +1572,7 @@ def fill_text_cache(pipe, kind: str, prompts: list[str], *, directory: str, devi
     if found != meta:
         what = {"family": f"model family ({found.get('family')})", "text_encoders": "text encoder",
                 "tokenizers": "tokenizer", "max_sequence_length": f"--max-sequence-length "
-                f"({found.get('max_sequence_length')})"}
+                f"({found.get('max_sequence_length')})", "condition": "VAE or --condition-size"}
         differ = [what[k] for k in meta if found.get(k) != meta[k]]
         fail(f"--text-cache {directory!r} holds the embeddings of another {', '.join(differ)}; pass an empty "
              f"or a new directory")

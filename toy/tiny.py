@@ -1,13 +1,13 @@
 """Tiny diffusers pipelines built from configs (random weights, no downloads).
 
 `build_flux` gives a genuine `FluxPipeline` (the embedded toy model is one of these, trained by `make_toy.py`);
-`build_sd3` gives a genuine `StableDiffusion3Pipeline` for tests. Both use word-level tokenizers that always put a
-BOS token first and an EOS token last, so an empty prompt never yields an all-padding row and CLIP's pooled output
-(taken at the first EOS) is well defined.
+`build_flux_kontext` a `FluxKontextPipeline` and `build_sd3` a `StableDiffusion3Pipeline` for tests. They use
+word-level tokenizers that always put a BOS token first and an EOS token last, so an empty prompt never yields an
+all-padding row and CLIP's pooled output (taken at the first EOS) is well defined.
 """
 import torch
-from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
-from diffusers import SD3Transformer2DModel, StableDiffusion3Pipeline
+from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxKontextPipeline, FluxPipeline
+from diffusers import FluxTransformer2DModel, SD3Transformer2DModel, StableDiffusion3Pipeline
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, PreTrainedTokenizerFast
 from transformers import T5Config, T5EncoderModel
@@ -66,6 +66,12 @@ def build_flux(seed: int = 0, hidden_heads: int = 2, head_dim: int = 16, num_lay
         vae=vae,
         text_encoder=CLIPTextModel(_text_config(len(tok), text_dim, max_length)), tokenizer=tok,
         text_encoder_2=_t5(len(tok), text_dim), tokenizer_2=word_tokenizer(max_length), transformer=transformer)
+
+
+def build_flux_kontext(seed: int = 0, **kwargs) -> FluxKontextPipeline:
+    """A FluxKontextPipeline with random weights, of build_flux's components (FLUX.1 Kontext [dev] is a FLUX.1 [dev]
+    transformer that also reads the source image's tokens)."""
+    return FluxKontextPipeline(**build_flux(seed, **kwargs).components)
 
 
 def build_sd3(seed: int = 0, max_length: int = 16) -> StableDiffusion3Pipeline:

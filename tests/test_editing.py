@@ -1,0 +1,189 @@
+"""Image editing: FLUX.1 Kontext on a tiny random pipeline saved with save_pretrained and loaded by path (the
+project's deterministic sampler reproduces FluxKontextPipeline's own latents from the same source image, instruction
+and noise, at two source sizes and at the pipeline's own resizing); the editing prompt sets (.jsonl rows with
+images, their one-line errors); the text cache of image-aware embeddings; the editing toy world's exact rewards."""
+import json
+import os
+
+import pytest
+import torch
+from PIL import Image
+
+import common
+import models
+from helpers import read_metrics, run_script, tiny_flags
+PROMPT = "make the red circle blue"
+
+
+def one_line_error(fn) -> str:
+    with pytest.raises(SystemExit) as e:
+        fn()
+    message = str(e.value.code)
+    assert message.startswith("error: ") and "\n" not in message
+    return message
+
+
+@pytest.fixture(scope="module")
+def kontext_dir(tmp_path_factory):
+    """A tiny random FluxKontextPipeline on disk, its VAE 8x (a source at the pipeline's ~1 MP: 4,070 tokens)."""
+    import tiny
+    path = str(tmp_path_factory.mktemp("kontext") / "kontext")
+    tiny.build_flux_kontext(seed=0, vae=tiny.tiny_vae(channels=(8, 8, 8, 8))).save_pretrained(path)
+    return path
+
+
+def source(height: int, width: int, seed: int = 0) -> Image.Image:
+    g = torch.Generator().manual_seed(seed)
+    pixels = (torch.rand(height, width, 3, generator=g) * 255).round().byte().numpy()
+    return Image.fromarray(pixels)
+
+
+@pytest.mark.parametrize("size,condition_size", [((32, 32), 0), ((48, 32), 0), ((40, 56), None)])
+def test_the_sampler_reproduces_kontext(kontext_dir, tmp_path, size, condition_size):
+    """The source's tokens after the target's, their position ids (first axis 1), the prediction cut back:
+    common.ode_complete ends where FluxKontextPipeline's __call__ ends (max abs difference < 1e-5), for sources
+    kept at their size (--condition-size 0, the pipeline's _auto_resize=False) and resized as the pipeline
+    resizes them by default (its preferred resolution nearest in aspect ratio)."""
+    pipe, kind = common.load_pipeline(kontext_dir, torch.device("cpu"))
+    assert kind == "kontext"
+    pipe.condition_size = condition_size
+    path = str(tmp_path / "source.png")
+    source(*size).save(path)
+    prompt = common.Prompt(PROMPT, {"prompt": PROMPT, "image": path}, images=(path,))
+    steps, guidance = 2, 3.5
+    shape = common.latent_shape(pipe, kind, 32)
+    sigmas = common.pipeline_sigmas(pipe, kind, num_steps=steps, shape=shape)
+    emb = common.encode_prompts(pipe, kind, [prompt], max_sequence_length=16, cfg=guidance)
+    h, w = size if condition_size == 0 else (832, 1248)  # 40x56 floored to 32x48: the nearest is (1248, 832)
+    tokens = (h // pipe.vae_scale_factor // 2) * (w // pipe.vae_scale_factor // 2)
+    assert emb["cond"].shape == (1, tokens, 16) and (emb["cond_ids"][0, :, 0] == 1).all()
+    noise = torch.randn((1, *shape), generator=torch.Generator().manual_seed(7))
+    ours = common.ode_complete(pipe.transformer, kind, noise, [list(range(steps + 1))], sigmas, emb,
+                               guidance=guidance, micro_batch=4)
+    theirs = pipe(prompt=PROMPT, image=Image.open(path), height=32, width=32, num_inference_steps=steps,
+                  guidance_scale=guidance, generator=torch.Generator().manual_seed(7), output_type="latent",
+                  max_sequence_length=16, max_area=32 * 32, _auto_resize=condition_size is None).images
+    theirs = models.unpack(theirs, (1, *shape))
+    assert (ours - theirs).abs().max() < 1e-5, (ours - theirs).abs().max()
+    plain = dict(emb)
+    del plain["cond"], plain["cond_ids"]
+    without = common.ode_complete(pipe.transformer, kind, noise, [list(range(steps + 1))], sigmas, plain,
+                                  guidance=guidance, micro_batch=4)
+    assert (without - ours).abs().max() > 1e-4  # the source acts
+
+
+def test_sources_of_other_sizes_in_one_batch_are_one_line(kontext_dir, tmp_path):
+    pipe, kind = common.load_pipeline(kontext_dir, torch.device("cpu"))
+    pipe.condition_size = 0
+    prompts = []
+    for i, size in enumerate([(32, 32), (32, 48)]):
+        path = str(tmp_path / f"{i}.png")
+        source(*size).save(path)
+        prompts.append(common.Prompt(PROMPT, {}, images=(path,)))
+    message = one_line_error(lambda: common.encode_prompts(pipe, kind, prompts, max_sequence_length=16))
+    assert "source images of one batch have different sizes" in message and "--condition-size" in message
+    pipe.condition_size = 32  # one area, each at its own aspect ratio: 32x32, and 39x26 floored to 32x16
+    message = one_line_error(lambda: common.encode_prompts(pipe, kind, prompts, max_sequence_length=16))
+    assert "source images of one batch have different sizes" in message
+    emb = common.encode_prompts(pipe, kind, prompts[:1] * 2, max_sequence_length=16)
+    assert emb["cond"].shape[:2] == (2, 4)
+
+
+def write_edits(tmp_path, rows, images=(("a.png", (32, 32)), ("b.png", (32, 32)))) -> str:
+    for seed, (name, size) in enumerate(images):
+        source(*size, seed=seed).save(str(tmp_path / name))
+    path = str(tmp_path / "edits.jsonl")
+    with open(path, "w") as f:
+        f.write("\n".join(r if isinstance(r, str) else json.dumps(r) for r in rows) + "\n")
+    return path
+
+
+def test_an_editing_prompt_set_reads_its_images(tmp_path):
+    """Flow-Factory's layout: {"prompt", "image"} or {"prompt", "images": [...]}, paths relative to the file;
+    one instruction over two sources is two prompts (their keys differ)."""
+    path = write_edits(tmp_path, [{"prompt": PROMPT, "image": "a.png"}, {"prompt": PROMPT, "image": "b.png"},
+                                  {"prompt": "remove it", "images": ["a.png", "b.png"], "extra": 1}])
+    prompts = common.load_prompt_set(path)
+    assert [len(p.images) for p in prompts] == [1, 1, 2]
+    assert prompts[0].images == (str(tmp_path / "a.png"),) and prompts[2].metadata["extra"] == 1
+    assert prompts[0] == prompts[1] and len({common.prompt_key(p) for p in prompts}) == 3
+
+
+@pytest.mark.parametrize("row,images,expected", [
+    ({"prompt": PROMPT, "image": "missing.png"}, (), "line 1 of prompt file {f!r}: image 'missing.png' does "
+     "not exist"),
+    ({"prompt": PROMPT, "image": "bad.png"}, (), "line 1 of prompt file {f!r}: image 'bad.png' cannot be read "
+     "as an image"),
+    ({"prompt": PROMPT, "image": 3}, (), "line 1 of prompt file {f!r}: \"image\" must be a path (a string)"),
+    ({"prompt": PROMPT, "images": []}, (), "line 1 of prompt file {f!r}: \"images\" must be a list of 1 to 8 "
+     "paths"),
+    ({"prompt": PROMPT, "image": "a.png", "images": ["a.png"]}, (), "line 1 of prompt file {f!r} has both "
+     "\"image\" and \"images\""),
+    ({"prompt": PROMPT, "image": "big.png"}, (("big.png", (8200, 8)),), "line 1 of prompt file {f!r}: image "
+     "'big.png' is 8x8200 pixels (width x height); a side may be 8 to 8192"),
+])
+def test_a_bad_image_row_is_one_line_naming_it(tmp_path, row, images, expected):
+    path = write_edits(tmp_path, [row], images=(("a.png", (32, 32)),) + images)
+    (tmp_path / "bad.png").write_bytes(b"not a png")
+    message = one_line_error(lambda: common.load_prompt_set(path))
+    assert message.startswith("error: " + expected.format(f=path)), message
+
+
+def test_a_prompt_set_that_mixes_edits_and_text_is_one_line(tmp_path):
+    path = write_edits(tmp_path, [{"prompt": PROMPT, "image": "a.png"}, {"prompt": "a red circle"}])
+    message = one_line_error(lambda: common.load_prompt_set(path))
+    assert f"line 2 of prompt file {path!r} has no image, line 1 has;" in message
+
+
+def test_the_text_cache_keeps_each_source(kontext_dir, tmp_path):
+    """Two edits with one instruction and other sources: two cache rows, each the encoder's own embeddings."""
+    import rundir
+    path = write_edits(tmp_path, [{"prompt": PROMPT, "image": "a.png"}, {"prompt": PROMPT, "image": "b.png"}])
+    prompts = common.load_prompt_set(path)
+    pipe, kind = common.load_pipeline(kontext_dir, torch.device("cpu"))
+    pipe.condition_size = 0
+    direct = common.encode_prompts(pipe, kind, prompts, max_sequence_length=16)
+    assert (direct["cond"][0] - direct["cond"][1]).abs().max() > 1e-3
+    rundir.fill_text_cache(pipe, kind, prompts, directory=str(tmp_path / "cache"), device="cpu",
+                           max_sequence_length=16, cfg=3.5)
+    assert len([f for f in os.listdir(tmp_path / "cache") if f.endswith(".safetensors")]) == 2
+    cached = common.encode_prompts(pipe, kind, prompts[::-1], max_sequence_length=16)
+    for k in direct:
+        assert torch.equal(cached[k], direct[k].flip(0)), k
+
+
+def test_the_editing_toy_rewards():
+    """The target scene rendered scores 1 on every reward; the untouched source keeps everything but fails the
+    instruction; noise outside the edited boxes costs preservation only there."""
+    import edit_world
+    edits = edit_world.draw_edits(64, seed=5)
+    prompts = edit_world.edit_prompts(64, seed=5)
+    target = torch.stack([edit_world.render(e["target_objects"]) for e in edits])
+    src = torch.stack([p.images[0].float() / 255 for p in prompts])
+    assert edit_world.toy_edit_strict_accuracy(target, prompts).all()
+    assert (edit_world.toy_preserve_reward(target, prompts) > 0.99).all()
+    assert edit_world.toy_edit_reward(target, prompts).min() > 0.9
+    assert (edit_world.toy_preserve_reward(src, prompts) == 1).all()
+    assert not edit_world.toy_edit_strict_accuracy(src, prompts).any()
+    assert edit_world.toy_edit_reward(src, prompts).mean() < 0.6
+    shifted = target.clone()
+    shifted[:, :, :, :] += 0.1  # a grey veil everywhere: |difference| 0.1 outside the edit
+    keep = edit_world.toy_preserve_reward(shifted.clamp(0, 1), prompts)
+    assert torch.allclose(keep, torch.full_like(keep, 1 - 0.1 / edit_world.PRESERVE_SCALE), atol=0.02)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", list(__import__("test_families").CASES))
+def test_every_file_trains_an_editing_model(kontext_dir, tmp_path, script):
+    """One iteration of each file with LoRA on FLUX.1 Kontext and an editing prompt set (.jsonl rows with
+    source images): the rollout NFE is the file's planned_nfe, a gradient, the LoRA saved, and the summary's
+    loading snippet passes the source image."""
+    from test_families import CASES
+    prompts = write_edits(tmp_path, [{"prompt": PROMPT, "image": "a.png"}, {"prompt": "remove it", "image": "b.png"}])
+    flags = dict(CASES[script], num_iterations=1, eval_every=0, log_images_every=0, save_every=1, condition_size=0)
+    proc = run_script(script, tiny_flags(kontext_dir, prompts, tmp_path / "runs", **flags))
+    run, m = read_metrics(tmp_path / "runs")
+    assert m[1]["perf/nfe_rollout_per_prompt"] == m[1]["perf/nfe_min_per_prompt"] > 0
+    assert os.path.isfile(os.path.join(run, "checkpoints", "iter_1", "lora", "pytorch_lora_weights.safetensors"))
+    assert m[1]["train/grad_norm"] > 0
+    assert "from diffusers import FluxKontextPipeline" in proc.stdout and "image=" in proc.stdout
