@@ -615,6 +615,11 @@ class RewardModels:
     """GenEval: Flow-GRPO's reward server (github.com/yifan123/reward-server, app_geneval)"""
     deqa_url: str = "http://127.0.0.1:18086"
     """DeQA-Score: the same reward server (app_deqa)"""
+    editreward_url: str = "http://127.0.0.1:18088"
+    """editreward: a server of an edit-judge VLM (EditReward, EditScore) that scores an edit from its
+    instruction, source and result (docs/editing.md: the protocol)"""
+    similarity_clip: str = "openai/clip-vit-large-patch14"
+    """image_similarity: the transformers CLIPModel whose image features compare an edit with its source"""
     videoalign_url: str = "http://127.0.0.1:18087"
     """VideoAlign (KwaiVGI/VideoReward): a reward server that scores videos (docs/video.md: the protocol)"""
     frame_reduce: str = "mean"
@@ -641,7 +646,8 @@ def loggable(args) -> dict:
 
 
 LEARNED = ["hps", "clip", "pickscore", "imagereward", "aesthetic", "unifiedreward", "ocr", "geneval",
-           "deqa", "videoalign_vq", "videoalign_mq", "videoalign_ta"]  # rewards.py's models and clients
+           "deqa", "videoalign_vq", "videoalign_mq", "videoalign_ta",
+           "image_similarity", "editreward"]  # rewards.py's models and clients
 TOY_REWARDS = ["toy_color_position", "toy_shape_count", "toy_strict",  # toy/world.py's exact rewards
                "toy_proxy"]  # and the learned proxy of the first two (toy/proxy.py)
 VIDEO_TOY_REWARDS = ["toy_frame", "toy_frame_first", "toy_frame_mean", "toy_motion", "toy_consistency",

@@ -1,7 +1,8 @@
 """The learned reward models, each loaded as fn(images [B, 3, H, W] in [0, 1], prompts) -> float32 [B]:
 HPS-v2.1 and the CLIP score (open_clip), PickScore, ImageReward (a port onto transformers' BLIP modules), the
 LAION aesthetic predictor, UnifiedReward (a client for an OpenAI-compatible server), Flow-GRPO's OCR reward
-(RapidOCR), GenEval and DeQA-Score (clients of Flow-GRPO's reward server). common.load_rewards
+(RapidOCR), GenEval and DeQA-Score (clients of Flow-GRPO's reward server), VideoAlign, and for editing the
+CLIP image similarity of an edit to its source and an edit-judge VLM's client. common.load_rewards
 imports this module only when one of them is asked for; where their weights come from is common.RewardModels
 (read here by attribute: this module imports nothing of the project, so it can be copied alone).
 
@@ -15,6 +16,8 @@ import os
 import pickle
 import re
 import reprlib
+
+import numpy as np
 
 import torch
 
@@ -67,6 +70,7 @@ def shown(value) -> str:
 
 REWARD_SOURCES = {  # the RewardModels fields each reward reads
     "hps": ["hps_checkpoint"], "clip": ["clip_model"], "aesthetic": ["aesthetic_head", "aesthetic_clip"],
+    "image_similarity": ["similarity_clip"],
     "pickscore": ["pickscore_model", "pickscore_processor"],
     "imagereward": ["imagereward_checkpoint", "imagereward_med_config", "imagereward_tokenizer"]}
 
@@ -85,7 +89,7 @@ def check(name: str, models):
     if name == "unifiedreward" and not models.unifiedreward_url:
         fail("the unifiedreward reward needs --unifiedreward-url, the address of a server that serves it")
     server = name.split("_")[0] if name.startswith("videoalign_") else name
-    servers = ("geneval", "deqa", "unifiedreward", "videoalign")
+    servers = ("geneval", "deqa", "unifiedreward", "videoalign", "editreward")
     url = getattr(models, f"{server}_url") if server in servers else None
     if url is not None:
         check_url(url, f"--{server}-url")
@@ -172,6 +176,11 @@ def load(name: str, device, *, models, dtype=torch.float32, fps: int = 16):
                               retries=models.reward_retries)
     if name == "deqa":
         return deqa_reward(models.deqa_url, deadline=models.reward_timeout, retries=models.reward_retries)
+    if name == "image_similarity":
+        return image_similarity_reward(models.similarity_clip, device, dtype=dtype)
+    if name == "editreward":
+        return editreward_reward(models.editreward_url, deadline=models.reward_timeout,
+                                 retries=models.reward_retries)
     if name.startswith("videoalign_"):
         return videoalign_reward(models.videoalign_url, name[len("videoalign_"):].upper(), fps=fps,
                                  deadline=models.reward_timeout, retries=models.reward_retries)
@@ -885,4 +894,97 @@ def videoalign_reward(url: str, dimension: str, *, fps: int, deadline: float = 6
         return torch.tensor(_VIDEOALIGN_LAST["answer"][dimension], dtype=torch.float32)
 
     score.video = True
+    return score
+
+
+# ======== Editing: the result against its source image ========
+def source_pixels(prompt, size: tuple | None = None) -> torch.Tensor:
+    """An editing prompt's first source image (common.Prompt.images: a path or uint8 [3, H, W]) as float
+    [3, H, W] in [0, 1], resized to `size` (H, W) if given; a prompt without one is a one-line error."""
+    from PIL import Image
+    images = getattr(prompt, "images", ())
+    if not images:
+        fail(f"this reward compares an edit with its source image; the prompt {str(prompt)[:60]!r} has "
+             f"none (an editing prompt set: .jsonl rows with \"image\")")
+    image = images[0]
+    if isinstance(image, str):
+        with Image.open(image) as f:
+            image = torch.from_numpy(np.asarray(f.convert("RGB")).copy()).permute(2, 0, 1)
+    x = image.float() / 255
+    if size is not None and tuple(x.shape[-2:]) != tuple(size):
+        x = torch.nn.functional.interpolate(x[None], size=size, mode="bilinear", antialias=True,
+                                            align_corners=False)[0].clamp(0, 1)
+    return x
+
+
+def image_similarity_reward(model_path: str, device, *, dtype=torch.float32):
+    """Cosine of the CLIP image features of the edit and of its source (Flow-GRPO's image_similarity_score,
+    the similarity half of its counting_edit reward: clip_scorer.py ClipScorer.image_similarity with
+    openai/clip-vit-large-patch14): each image's shorter side resized to the processor's size (bilinear,
+    antialiased, the longer side truncated, as torchvision's Resize), centre-cropped (offsets rounded, as
+    CenterCrop) and normalised; the tower in `dtype`, the projection in float32."""
+    from transformers import CLIPImageProcessor, CLIPModel
+    try:
+        model = CLIPModel.from_pretrained(model_path).eval().requires_grad_(False).to(device)
+        processor = CLIPImageProcessor.from_pretrained(model_path)
+    except Exception as e:
+        fail(f"--similarity-clip {model_path!r} cannot be loaded ({type(e).__name__}); pass a transformers "
+             f"CLIPModel directory")
+    project = float32_head(model, "visual_projection")
+    model.vision_model.to(dtype)
+    size = processor.size.get("shortest_edge", 224)
+    crop = processor.crop_size
+    mean = torch.tensor(processor.image_mean).view(1, 3, 1, 1)
+    std = torch.tensor(processor.image_std).view(1, 3, 1, 1)
+
+    def features(x):
+        h, w = x.shape[-2:]
+        nh, nw = (size, int(size * w / h)) if h <= w else (int(size * h / w), size)
+        x = torch.nn.functional.interpolate(x.float(), size=(nh, nw), mode="bilinear", antialias=True,
+                                            align_corners=False)
+        top, left = int(round((nh - crop["height"]) / 2)), int(round((nw - crop["width"]) / 2))
+        x = x[..., top:top + crop["height"], left:left + crop["width"]]
+        x = ((x - mean.to(x)) / std.to(x)).to(device, dtype)
+        pooled = model.vision_model(pixel_values=x).pooler_output
+        return torch.nn.functional.normalize(project(pooled), dim=-1)
+
+    @torch.no_grad()
+    def score(images, prompts):
+        keys = [getattr(p, "key", str(p)) for p in prompts]  # a group's prompt: its source once
+        unique = {k: p for k, p in zip(keys, prompts)}
+        refs = {k: features(source_pixels(p)[None])[0] for k, p in unique.items()}
+        return (features(images) * torch.stack([refs[k] for k in keys])).sum(-1).float()
+
+    return score
+
+
+EDITREWARD_RANGE = 100.0  # |score| beyond this is no edit judge's answer
+
+
+def editreward_reward(url: str, *, deadline: float = 600, retries: int = 3):
+    """An edit-judge VLM (EditReward, TIGER-Lab/EditReward-MiMo-VL-7B-SFT-2508; EditScore; any model that
+    scores an edit from its instruction, its source and its result) from a reward server: per batch of <= 16
+    edits one request {"images": each result as JPEG bytes, "sources": each edit's source images as a list of
+    JPEG bytes (at their own size), "prompts": the instructions}; the answer {"scores": [B]}, each a finite
+    number within +-EDITREWARD_RANGE (the judge's own scale: docs/editing.md)."""
+    import time
+    from PIL import Image
+
+    def jpeg(pixels):
+        buf = io.BytesIO()
+        Image.fromarray(pixels).save(buf, format="JPEG")
+        return buf.getvalue()
+
+    def score(images, prompts):
+        results, _ = jpeg_batches(images)
+        until, out = time.monotonic() + deadline, []
+        for batch in torch.arange(len(results)).split(16):
+            idx = batch.tolist()
+            sources = [[jpeg(uint8_pixels(source_pixels(prompts[i])[None])[0])] for i in idx]
+            body = {"images": [results[i] for i in idx], "sources": sources,
+                    "prompts": [str(prompts[i]) for i in idx]}
+            answer = server_post(url, body, until=until, retries=retries)
+            out += numbers(answer, "scores", len(idx), url, low=-EDITREWARD_RANGE, high=EDITREWARD_RANGE)
+        return torch.tensor(out, dtype=torch.float32)
+
     return score

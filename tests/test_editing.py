@@ -187,3 +187,81 @@ def test_every_file_trains_an_editing_model(kontext_dir, tmp_path, script):
     assert os.path.isfile(os.path.join(run, "checkpoints", "iter_1", "lora", "pytorch_lora_weights.safetensors"))
     assert m[1]["train/grad_norm"] > 0
     assert "from diffusers import FluxKontextPipeline" in proc.stdout and "image=" in proc.stdout
+
+
+def test_image_similarity_is_flow_grpos_clip_image_similarity(tmp_path):
+    """The similarity half of Flow-GRPO's counting_edit, written out as its clip_scorer.py: torchvision Resize
+    (shorter side) + CenterCrop + Normalize, CLIPModel.get_image_features, the cosine of edit and source."""
+    import torchvision.transforms as T
+    from test_rewards import tiny_clip_model
+    from transformers import CLIPImageProcessor, CLIPModel
+    root = tiny_clip_model(tmp_path / "clip")
+    CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}).save_pretrained(root)
+    path = write_edits(tmp_path, [{"prompt": PROMPT, "image": "a.png"}, {"prompt": PROMPT, "image": "b.png"}],
+                       images=(("a.png", (40, 56)), ("b.png", (32, 32))))
+    prompts = common.load_prompt_set(path)
+    fn = common.load_rewards(["image_similarity"], "cpu", models=common.RewardModels(similarity_clip=root))
+    edits = torch.rand(2, 3, 48, 48, generator=torch.Generator().manual_seed(3))
+    ours = common.score(fn, edits, prompts)["image_similarity"]
+    model, processor = CLIPModel.from_pretrained(root), CLIPImageProcessor.from_pretrained(root)
+    tform = T.Compose([T.Resize(32), T.CenterCrop(32), T.Normalize(processor.image_mean, processor.image_std)])
+
+    def embed(x):
+        with torch.no_grad():
+            e = model.get_image_features(pixel_values=tform(x))
+        e = getattr(e, "pooler_output", e)
+        return e / e.norm(p=2, dim=-1, keepdim=True)
+    refs = [torch.from_numpy(__import__("numpy").array(Image.open(p.images[0]))).permute(2, 0, 1)[None] / 255
+            for p in prompts]
+    official = torch.stack([(embed(edits[i:i + 1]) @ embed(refs[i]).T)[0, 0] for i in range(2)])
+    assert torch.allclose(ours, official, atol=1e-5), (ours, official)
+    same = common.score(fn, torch.cat(refs[1:]).expand(2, -1, -1, -1), prompts[1:] * 2)["image_similarity"]
+    assert torch.allclose(same, torch.ones(2), atol=1e-5)  # the source itself
+
+
+def test_editreward_sends_each_source_with_its_result(tmp_path):
+    """The edit-judge client: a request per batch carrying the results, each edit's source images and the
+    instructions; a stand-in judge answers a known function of all three; an answer out of range is one line."""
+    import io
+    import pickle
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    import numpy as np
+    seen = []
+
+    class Judge(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def do_POST(self):
+            data = pickle.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            seen.append(data)
+            bright = lambda jpeg: float(np.asarray(Image.open(io.BytesIO(jpeg)).convert("L")).mean()) / 255  # noqa
+            scores = [bright(r) - bright(s[0]) + len(p) / 100
+                      for r, s, p in zip(data["images"], data["sources"], data["prompts"])]
+            body = pickle.dumps({"scores": scores} if not self.server.raw else self.server.raw)
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Judge)
+    server.raw = None
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        prompts = [common.Prompt(PROMPT, {}, images=(torch.zeros(3, 16, 24, dtype=torch.uint8),)),
+                   common.Prompt("remove it", {}, images=(torch.full((3, 8, 8), 255, dtype=torch.uint8),))]
+        fn = common.load_rewards(["editreward"], "cpu", models=common.RewardModels(editreward_url=url,
+                                                                                   reward_retries=0))
+        scores = common.score(fn, torch.full((2, 3, 32, 32), 0.5), prompts)["editreward"]
+        assert len(seen) == 1 and set(seen[0]) == {"images", "sources", "prompts"}
+        assert [Image.open(io.BytesIO(s[0])).size for s in seen[0]["sources"]] == [(24, 16), (8, 8)]
+        assert torch.allclose(scores, torch.tensor([0.5 + len(PROMPT) / 100, -0.5 + 0.09]), atol=0.02)
+        server.raw = {"scores": [0.0, float("nan")]}
+        with pytest.raises(SystemExit) as e:
+            common.score(fn, torch.full((2, 3, 32, 32), 0.5), prompts)
+        assert str(e.value) == f"error: the reward server {url} answered scores[1] = nan, not a number in " \
+                               f"[-100.0, 100.0]"
+    finally:
+        server.shutdown()
