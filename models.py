@@ -293,15 +293,53 @@ def flux2_mu(pipe, latent, num_steps):
     return compute_empirical_mu(image_seq_len=latent[1] * latent[2], num_steps=num_steps)
 
 
+FLUX2_MAX_AREA = 1024 * 1024  # pipeline_flux2.py l. 895-896: a larger reference is resized to this area
+
+
+def flux2_reference(pipe, image):
+    """A reference image's pixels [1, 3, H, W] as the pipeline's __call__ prepares them (pipeline_flux2.py
+    l. 893-903, pipeline_flux2_klein.py l. 772-782): over 1 MP resized to 1 MP (LANCZOS, sides truncated),
+    then centre-cropped to sides of the multiple 2f. pipe.condition_size 0: no cap; S > 0: first resized
+    (LANCZOS) to the area of an S x S square at its aspect ratio (condition_hw), as a source resized before
+    the call."""
+    from PIL import Image
+    size = getattr(pipe, "condition_size", None)
+    if size is None and image.width * image.height > FLUX2_MAX_AREA:
+        image = pipe.image_processor._resize_to_target_area(image, FLUX2_MAX_AREA)
+    elif size:
+        h, w = condition_hw(image.height, image.width, size=size, multiple=1)
+        image = image.resize((w, h), Image.Resampling.LANCZOS)
+    h, w = condition_hw(image.height, image.width, size=0, multiple=2 * pipe.vae_scale_factor)
+    return pipe.image_processor.preprocess(image, height=h, width=w, resize_mode="crop")  # crop: no resize
+
+
 def flux2_encode(pipe, prompts, *, max_sequence_length, guidance, device):
     """The pipeline's encode_prompt (its chat template; hidden layers 10, 20, 30 of Mistral, or 9, 18, 27 of
-    Qwen3 in [klein], stacked), padded to max_sequence_length; [klein] base with CFG: "" as the negative."""
+    Qwen3 in [klein], stacked), padded to max_sequence_length; [klein] base with CFG: "" as the negative.
+    Editing prompts: their reference images (flux2_reference) VAE-encoded (the posterior's mode), patchified,
+    BatchNorm-standardised and packed one after the other: "cond" [B, N, 4C], and "cond_ids" [B, N, 4] with
+    the time coordinate 10 + 10 i of the i-th reference (pipeline_flux2.py prepare_image_latents, l. 654-687,
+    and _prepare_image_ids, l. 407-454)."""
     embeds, _ = pipe.encode_prompt(prompts, device=device, max_sequence_length=max_sequence_length)
     out = {"embeds": embeds}
     if flux2_cfg(pipe.transformer, guidance, getattr(pipe.config, "is_distilled", None)):
         out["neg_embeds"], _ = pipe.encode_prompt([""] * len(prompts), device=device,
                                                   max_sequence_length=max_sequence_length)
-    return out
+    counts = {len(getattr(p, "images", ())) for p in prompts}
+    if counts == {0}:
+        return out
+    if len(counts) > 1:
+        raise SystemExit(f"error: the prompts of one batch have {sorted(counts)} reference images; FLUX.2 "
+                         f"batches prompts with as many references each: give every prompt as many images")
+    tokens, ids = [], []
+    for p in prompts:
+        latents = [pipe._encode_vae_image(flux2_reference(pipe, source_image(image)).to(
+            pipe.vae.device, pipe.vae.dtype), generator=None) for image in p.images]
+        tokens.append(torch.cat([pipe._pack_latents(z)[0] for z in latents]))
+        ids.append(pipe._prepare_image_ids(latents)[0])
+    if len({t.shape for t in tokens}) > 1:
+        raise SystemExit(MIXED_SIZES)
+    return {**out, "cond": torch.stack(tokens).to(device), "cond_ids": torch.stack(ids).to(device)}
 
 
 def flux2_cfg(transformer, guidance: float, distilled) -> bool:
@@ -311,7 +349,8 @@ def flux2_cfg(transformer, guidance: float, distilled) -> bool:
 
 def flux2_velocity(transformer, x, t, emb, *, guidance, detach_uncond):
     """Tokens [B, H W, 4C], 4-axis position ids (T, H, W, L), the timestep sigma as the pipeline rounds it;
-    [dev]: the guidance embedding; [klein] base: true CFG against ""."""
+    [dev]: the guidance embedding; [klein] base: true CFG against "". An editing prompt's reference tokens
+    (emb "cond") after the target's in both passes, the prediction cut back to the target's."""
     from diffusers import Flux2Pipeline
     b, c, h, w = x.shape
     dtype = next(transformer.parameters()).dtype
@@ -319,6 +358,10 @@ def flux2_velocity(transformer, x, t, emb, *, guidance, detach_uncond):
     img_ids = Flux2Pipeline._prepare_latent_ids(x).to(x.device)
     g = torch.full((b,), guidance, device=x.device, dtype=torch.float32) \
         if transformer.config.guidance_embeds else None
+    if "cond" in emb:  # pipeline_flux2.py l. 970-972; [klein] l. 846-848, its negative pass too (l. 872)
+        tokens = torch.cat([tokens, emb["cond"].to(dtype)], 1)
+        cond_ids = shared_ids(emb["cond_ids"]).to(img_ids).expand(b, -1, -1)
+        img_ids = torch.cat([img_ids, cond_ids], 1)
 
     def forward(embeds):
         txt_ids = Flux2Pipeline._prepare_text_ids(embeds).to(x.device)
@@ -515,6 +558,8 @@ FAMILIES = {
                     "flux2-klein-9b": "black-forest-labs/FLUX.2-klein-9B"},
         "latent": flux2_latent, "mu": flux2_mu, "base_sigmas": linspace_sigmas, "encode": flux2_encode,
         "velocity": flux2_velocity, "decode": flux2_decode, "lora_targets": flux2_lora_targets,
+        "editing": True,  # one or several reference images per prompt (a source over 1 MP: resized to 1 MP)
+        "call_image": lambda h, w, size: "image=[source], ",  # --condition-size > 0: resize the source first
         "blocks": flux_blocks, "guidance": lambda pipe: "embedded" if pipe.transformer.config.guidance_embeds
         else "none" if getattr(pipe.config, "is_distilled", False) else "cfg", "negative": ""},
     "zimage": {
