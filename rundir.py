@@ -1491,9 +1491,10 @@ def text_cache_file(directory: str, prompt: str) -> str:
     return os.path.join(directory, name + ".safetensors")
 
 
-def text_fingerprint(pipe, kind: str, max_sequence_length: int) -> dict:
+def text_fingerprint(pipe, kind: str, max_sequence_length: int, *, edits: bool = False) -> dict:
     """What the embeddings depend on: the family, each text encoder's configuration (a hash), weights
-    (weights_fingerprint) and dtype, each tokenizer's class, size and vocabulary (a hash)."""
+    (weights_fingerprint) and dtype, each tokenizer's class, size and vocabulary (a hash); with `edits` (a
+    prompt set with source images) also the VAE's weights and the condition size."""
     encoders = {}
     for name in TEXT_ENCODERS:
         if (encoder := getattr(pipe, name, None)) is not None:
@@ -1509,7 +1510,7 @@ def text_fingerprint(pipe, kind: str, max_sequence_length: int) -> dict:
         tokenizers += [f"{type(t).__name__} {len(vocab)} {words}"] if t is not None else []
     meta = {"family": kind, "text_encoders": encoders, "tokenizers": tokenizers,
             "max_sequence_length": max_sequence_length}
-    if FAMILIES[kind].get("editing"):  # the source images' tokens: the VAE and the size they are encoded at
+    if edits:  # an editing set's rows hold its sources' tokens: the VAE and the size they are encoded at
         meta["condition"] = {"vae": weights_fingerprint(pipe.vae),
                              "condition_size": getattr(pipe, "condition_size", None)}
     return meta
@@ -1558,7 +1559,9 @@ def fill_text_cache(pipe, kind: str, prompts: list[str], *, directory: str, devi
         if getattr(pipe, name, None) is not None:
             getattr(pipe, name).to(device)
     rows, masked = cache_rows(encode(unique[:1]))  # which embeddings this run uses, the negative prompt's
-    meta, negative = text_fingerprint(pipe, kind, max_sequence_length), os.path.join(directory, "negative")
+    edits = any(getattr(p, "images", ()) for p in unique)
+    meta = text_fingerprint(pipe, kind, max_sequence_length, edits=edits)
+    negative = os.path.join(directory, "negative")
     meta_path = os.path.join(directory, "meta.json")
     check_text_cache(directory, rows=False)  # never rows without the meta.json that says what made them
     if rank == 0:
