@@ -207,6 +207,76 @@ def kontext_encode(pipe, prompts, *, max_sequence_length, guidance, device):
     return {**out, "cond": torch.stack(tokens).to(device), "cond_ids": torch.stack(ids).to(device)}
 
 
+# ======== Qwen-Image-Edit (QwenImageEdit[Plus]Pipeline): the sources' tokens after the target's ========
+def qwen_edit_sources(pipe, images):
+    """The pipeline's resizes of a prompt's source images: what its Qwen2.5-VL encoder sees, and each one's
+    pixels for the VAE [1, 3, 1, H, W]. Plus (2509, 2511; pipeline_qwenimage_edit_plus.py:697-706): the
+    encoder's at 384 x 384 pixels' area (CONDITION_IMAGE_SIZE), the VAE's at 1024 x 1024 (VAE_IMAGE_SIZE),
+    both at the source's aspect ratio in multiples of 32 (calculate_dimensions, :158); 2508
+    (pipeline_qwenimage_edit.py:623-624, 662-665): one resize to 1024 x 1024 pixels' area that both see.
+    pipe.condition_size other than None sets the VAE's size alone (condition_hw: 0 the source as it is, S the
+    area of S x S; floored to 2f); the encoder's stays the pipeline's."""
+    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit, pipeline_qwenimage_edit_plus
+    plus = type(pipe).__name__ == "QwenImageEditPlusPipeline"
+    size, processor, f = getattr(pipe, "condition_size", None), pipe.image_processor, pipe.vae_scale_factor
+    seen, pixels = [], []
+    for image in map(source_image, images):
+        ratio = image.width / image.height
+        if plus:
+            module = pipeline_qwenimage_edit_plus
+            w, h = module.calculate_dimensions(module.CONDITION_IMAGE_SIZE, ratio)
+            seen.append(processor.resize(image, h, w))
+            vae_w, vae_h = module.calculate_dimensions(module.VAE_IMAGE_SIZE, ratio)
+            vae_image = image  # preprocess resizes it (:706)
+        else:
+            vae_w, vae_h, _ = pipeline_qwenimage_edit.calculate_dimensions(1024 * 1024, ratio)
+            vae_image = processor.resize(image, vae_h, vae_w)  # the encoder's input too (:663)
+            seen.append(vae_image)
+        if size is not None:
+            vae_h, vae_w = condition_hw(image.height, image.width, size=size, multiple=2 * f)
+            vae_image = processor.resize(image, vae_h, vae_w)
+        pixels.append(processor.preprocess(vae_image, vae_h, vae_w).unsqueeze(2))
+    return (seen if plus else seen[0]), pixels
+
+
+def qwen_edit_encode(pipe, prompts, *, max_sequence_length, guidance, device):
+    """Each editing prompt encoded alone as the pipeline's __call__ encodes it: its instruction and its
+    sources' resizes for the Qwen2.5-VL encoder (qwen_edit_sources) through encode_prompt (the edit template,
+    its 64 tokens dropped; Plus: "Picture i: " before each image), the negative prompt " " with the same
+    images under true CFG (pipeline_qwenimage_edit_plus.py:720-738), each padded to max_sequence_length
+    with a mask (the pipeline cuts nothing: longer is a one-line error); the sources VAE-encoded (the
+    posterior's mode, normalised per channel: _encode_vae_image, :421-443), packed and concatenated:
+    "cond" [B, N, 4C], and their latent sizes / 2, "cond_shapes" [B, K, 2] (img_shapes, :753-761)."""
+    plus = type(pipe).__name__ == "QwenImageEditPlusPipeline"
+    counts = {len(getattr(p, "images", ())) for p in prompts}
+    if 0 in counts or (not plus and counts != {1}) or len(counts) > 1:
+        allowed = "source images, as many for every prompt" if plus else "one source image per prompt"
+        raise SystemExit(f"error: this {type(pipe).__name__} edits {allowed}; these prompts have "
+                         f"{sorted(counts)} (an editing prompt set: .jsonl rows with \"image\" or "
+                         f"\"images\")")
+    texts = [("", [str(p) for p in prompts])]
+    texts += [("neg_", [FAMILIES["qwenimage_edit"]["negative"]] * len(prompts))] if guidance > 1 else []
+    rows, tokens, shapes = {prefix: [] for prefix, _ in texts}, [], []
+    for i, p in enumerate(prompts):
+        seen, pixels = qwen_edit_sources(pipe, p.images)
+        for prefix, batch in texts:
+            embeds, _ = pipe.encode_prompt(batch[i], image=seen, device=device)
+            if (n := embeds.shape[1]) > max_sequence_length:
+                raise SystemExit(f"error: the prompt {str(p)[:60]!r} with its {len(p.images)} source "
+                                 f"image(s) is {n} tokens for the text encoder, more than "
+                                 f"--max-sequence-length {max_sequence_length}; pass "
+                                 f"--max-sequence-length {n} or more")
+            rows[prefix].append(embeds[0])
+        z = [pipe._encode_vae_image(x.to(pipe.vae.device, pipe.vae.dtype), generator=None) for x in pixels]
+        tokens.append(torch.cat([pack(latents[:, :, 0])[0] for latents in z]))
+        shapes.append(torch.tensor([[latents.shape[3] // 2, latents.shape[4] // 2] for latents in z]))
+    if len({t.shape for t in tokens}) > 1:
+        raise SystemExit(MIXED_SIZES)
+    out = {}
+    for prefix, _ in texts:
+        out[prefix + "embeds"], out[prefix + "mask"] = padded(rows[prefix], max_sequence_length)
+    return {**out, "cond": torch.stack(tokens).to(device), "cond_shapes": torch.stack(shapes).to(device)}
+
 # ======== SD3 (StableDiffusion3Pipeline) ========
 def sd3_encode(pipe, prompts, *, max_sequence_length, guidance, device):
     embeds, neg, pooled, neg_pooled = pipe.encode_prompt(
@@ -252,17 +322,22 @@ def qwen_encode(pipe, prompts, *, max_sequence_length, guidance, device):
 def qwen_velocity(transformer, x, t, emb, *, guidance, detach_uncond):
     """Packed 2x2 latents, the timestep sigma (rounded in float32 as the pipeline's t / 1000), the text mask;
     true CFG with the guided prediction rescaled per token to the conditional one's norm
-    (pipeline_qwenimage.py)."""
+    (pipeline_qwenimage.py). Qwen-Image-Edit: the sources' tokens (emb "cond") after the target's, their
+    shapes after its in img_shapes, each prediction cut back to the target's before CFG (:826, :840)."""
     b, c, h, w = x.shape
     dtype = next(transformer.parameters()).dtype
     timestep = (t * 1000) / 1000
     shapes = [[(1, h // 2, w // 2)]] * b
+    tokens = pack(x.to(dtype))
+    if "cond" in emb:  # Qwen-Image-Edit: cat([latents, image_latents], 1) (pipeline_qwenimage_edit_plus:811)
+        tokens = torch.cat([tokens, emb["cond"].to(dtype)], 1)
+        shapes = [[(1, h // 2, w // 2), *[(1, *map(int, s)) for s in shared_ids(emb["cond_shapes"])]]] * b
 
     def forward(prefix):
         embeds, mask = trim(emb, prefix)
-        return transformer(hidden_states=pack(x.to(dtype)), timestep=timestep, guidance=None,
+        return transformer(hidden_states=tokens, timestep=timestep, guidance=None,
                            encoder_hidden_states_mask=mask, encoder_hidden_states=embeds.to(dtype),
-                           img_shapes=shapes, return_dict=False)[0]
+                           img_shapes=shapes, return_dict=False)[0][:, :h * w // 4]
     v = forward("")
     if "neg_embeds" in emb and guidance > 1:
         combined = cfg(forward("neg_"), v, guidance, detach_uncond=detach_uncond)
@@ -545,6 +620,21 @@ FAMILIES = {
         "mu": lambda pipe, latent, steps: calculate_shift(latent[1] * latent[2] // 4, pipe.scheduler.config),
         "base_sigmas": linspace_sigmas, "encode": qwen_encode, "velocity": qwen_velocity,
         "decode": qwen_decode,
+        "lora_targets": lambda t: _ATTN + ["img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj",
+                                           "txt_mlp.net.2"],
+        "blocks": lambda t: list(t.transformer_blocks), "guidance": lambda pipe: "cfg", "negative": " "},
+    "qwenimage_edit": {
+        "call_guidance": lambda g: f"true_cfg_scale={g}, negative_prompt=' '",
+        "pipelines": ("QwenImageEditPlusPipeline", "QwenImageEditPipeline"),
+        "transformers": ("QwenImageTransformer2DModel",),
+        "aliases": {"qwen-image-edit": "Qwen/Qwen-Image-Edit",
+                    "qwen-image-edit-2509": "Qwen/Qwen-Image-Edit-2509",
+                    "qwen-image-edit-2511": "Qwen/Qwen-Image-Edit-2511"},
+        "latent": qwen_latent,
+        "mu": lambda pipe, latent, steps: calculate_shift(latent[1] * latent[2] // 4, pipe.scheduler.config),
+        "base_sigmas": linspace_sigmas, "encode": qwen_edit_encode, "velocity": qwen_velocity,
+        "decode": qwen_decode, "editing": True,
+        "call_image": lambda h, w, size: "image=source, ",  # (the pipeline resizes it itself)
         "lora_targets": lambda t: _ATTN + ["img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj",
                                            "txt_mlp.net.2"],
         "blocks": lambda t: list(t.transformer_blocks), "guidance": lambda pipe: "cfg", "negative": " "},

@@ -1579,7 +1579,8 @@ def fill_text_cache(pipe, kind: str, prompts: list[str], *, directory: str, devi
         differ = [what[k] for k in meta if found.get(k) != meta[k]]
         fail(f"--text-cache {directory!r} holds the embeddings of another {', '.join(differ)}; pass an empty "
              f"or a new directory")
-    neg = {k: v for k, v in rows[0].items() if k.startswith("neg_")}
+    shared = not FAMILIES[kind].get("editing")  # an editing model's negative may see the prompt's images
+    neg = {k: v for k, v in rows[0].items() if shared and k.startswith("neg_")}  # else kept in each row
     if neg and not os.path.exists(negative + ".safetensors"):
         save_row(negative + ".safetensors", neg)
     for share in (True, False):
@@ -1592,7 +1593,7 @@ def fill_text_cache(pipe, kind: str, prompts: list[str], *, directory: str, devi
             part = mine[start:start + chunk]
             for prompt, row in zip(part, cache_rows(encode(part))[0]):
                 save_row(text_cache_file(directory, prompt), {k: v for k, v in row.items()
-                                                              if not k.startswith("neg_")})
+                                                              if not (shared and k.startswith("neg_"))})
         if share and dist.is_initialized():
             dist.barrier()
     neg = load_file(negative + ".safetensors") if neg else {}

@@ -4,6 +4,9 @@
     build_flux2()                Flux2Pipeline         FLUX.2 [dev]: Mistral3 (+ Pixtral tower), guidance embedding
     build_flux2_klein()          Flux2KleinPipeline    Qwen3 causal LM, true CFG against "" (distilled=True: none)
     build_zimage()               ZImagePipeline        Qwen3 encoder, hidden_states[-2]; turbo=True: shift 3, no CFG
+    build_qwenimage_edit_plus()  QwenImageEditPlusPipeline  Qwen-Image-Edit-2509 (zero_cond_t=True: 2511's transformer):
+                                 Qwen2.5-VL with its vision tower and a Qwen2VLProcessor, a 4x VAE, true CFG
+    build_qwenimage_edit()       QwenImageEditPipeline  Qwen-Image-Edit (2508): one source image, built as above
 
 Every VAE compresses 2x, so a 32x32 image has 16x16 latents and, after the families' 2x2 patching, 64 image tokens
 (the real VAEs compress 8x); any height and width divisible by 4 works, the smallest being 4x4 (one token).
@@ -27,12 +30,14 @@ import numpy as np
 import torch
 from diffusers import AutoencoderKL, AutoencoderKLFlux2, AutoencoderKLQwenImage, DiffusionPipeline
 from diffusers import FlowMatchEulerDiscreteScheduler, Flux2KleinPipeline, Flux2Pipeline, Flux2Transformer2DModel
-from diffusers import QwenImagePipeline, QwenImageTransformer2DModel, ZImagePipeline, ZImageTransformer2DModel
+from diffusers import QwenImageEditPipeline, QwenImageEditPlusPipeline, QwenImagePipeline, QwenImageTransformer2DModel
+from diffusers import ZImagePipeline, ZImageTransformer2DModel
 from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
 from tokenizers import AddedToken, Tokenizer, models, normalizers, pre_tokenizers
 from transformers import Mistral3Config, Mistral3ForConditionalGeneration, PixtralImageProcessorPil, PixtralProcessor
 from transformers import PreTrainedTokenizerFast, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
-from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3Model
+from transformers import Qwen2VLImageProcessor, Qwen2VLProcessor, Qwen2VLVideoProcessor, Qwen3Config, Qwen3ForCausalLM
+from transformers import Qwen3Model
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from tiny import WORDS  # noqa: E402
@@ -48,6 +53,15 @@ QWEN3_CHAT_TEMPLATE = (
 QWENIMAGE_SYSTEM = ("Describe the image by detailing the color, shape, size, texture, quantity, text, spatial "
                     "relationships of the objects and background:")  # pipeline_qwenimage.py:175
 QWENIMAGE_DROP = 34  # template tokens before the prompt, dropped from the hidden states (pipeline_qwenimage.py:176)
+# Qwen-Image-Edit's system prompt (pipeline_qwenimage_edit.py:212, pipeline_qwenimage_edit_plus.py:215); its template's
+# 64 tokens before the user's turn are dropped (prompt_template_encode_start_idx, :213 and :216)
+QWENIMAGE_EDIT_SYSTEM = ("Describe the key features of the input image (color, shape, size, texture, objects, "
+                         "background), then explain how the user's text instruction should alter or modify the image. "
+                         "Generate a new image that meets the user's requirements while maintaining consistency with "
+                         "the original input where appropriate.")
+QWENIMAGE_EDIT_DROP = 64
+# the edit templates' pieces, one token each in qwen_tokenizer(extra=...) (the real vocabulary's 64 dropped tokens)
+QWENIMAGE_EDIT_PIECES = ("system\n" + QWENIMAGE_EDIT_SYSTEM, "user\n", *(f"Picture {i}: " for i in range(1, 9)))
 MISTRAL_SPECIAL = ["<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[IMG]",
                    "[IMG_BREAK]", "[IMG_END]", "<pad>"]
 # Mistral-Small-3.1-style template over the message format of pipeline_flux2.format_input (content: list of blocks)
@@ -69,13 +83,13 @@ def _byte_alphabet() -> list[str]:
     return [chr(table[b]) for b in range(256)]
 
 
-def qwen_tokenizer(words=WORDS) -> Qwen2Tokenizer:
+def qwen_tokenizer(words=WORDS, *, extra=()) -> Qwen2Tokenizer:
     """A Qwen2Tokenizer (byte-level BPE with Qwen's pre-tokenizer, so it saves and loads as itself) whose merges make
-    each word (with and without its leading space) and each piece of the chat templates one token; other text falls
-    back to bytes. Merges are appended piece by piece: a later merge never fires inside an earlier piece, whose own
-    merges always rank lower, so every piece stays one token."""
+    each word (with and without its leading space) and each piece of the chat templates (and of the `extra` texts)
+    one token; other text falls back to bytes. Merges are appended piece by piece: a later merge never fires inside an
+    earlier piece, whose own merges always rank lower, so every piece stays one token."""
     pre_tokenizer = Qwen2Tokenizer().backend_tokenizer.pre_tokenizer
-    texts = [*words, *(" " + w for w in words), "system\n" + QWENIMAGE_SYSTEM, "user\n\n", "assistant"]
+    texts = [*words, *(" " + w for w in words), "system\n" + QWENIMAGE_SYSTEM, "user\n\n", "assistant", *extra]
     pieces = list(dict.fromkeys(p for text in texts for p, _ in pre_tokenizer.pre_tokenize_str(text)))
     vocab = {c: i for i, c in enumerate(_byte_alphabet())}
     merges: list[tuple[str, str]] = []
@@ -190,6 +204,49 @@ def build_qwenimage(seed: int = 0, num_layers: int = 2, heads: int = 2, head_dim
         time_shift_type="exponential", use_dynamic_shifting=True)
     return QwenImagePipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tok,
                              transformer=transformer)
+
+
+def qwen_vl_processor(tok: Qwen2Tokenizer, max_pixels: int = 16 * 16) -> Qwen2VLProcessor:
+    """Qwen-Image-Edit's `processor`: a Qwen2VLProcessor at the tiny vision tower's patch size 2 (merged 2x2: a token per
+    4x4 pixels, as Qwen2.5-VL's 28x28), its images scaled to at most `max_pixels` (the released 12,845,056; here a
+    384x384 source becomes 16x16 pixels, 16 tokens)."""
+    size = {"shortest_edge": 8 * 8, "longest_edge": max_pixels}
+    images = Qwen2VLImageProcessor(patch_size=2, temporal_patch_size=2, merge_size=2, size=size)
+    videos = Qwen2VLVideoProcessor(patch_size=2, temporal_patch_size=2, merge_size=2)
+    return Qwen2VLProcessor(image_processor=images, tokenizer=tok, video_processor=videos)
+
+
+def build_qwenimage_edit_plus(*, seed: int = 0, zero_cond_t: bool = False, num_layers: int = 2, heads: int = 2,
+                              head_dim: int = 16, z_dim: int = 4, text_dim: int = 16,
+                              edit_class=None) -> DiffusionPipeline:
+    """A QwenImageEditPlusPipeline (Qwen-Image-Edit-2509; `zero_cond_t`: 2511's transformer, the sources' tokens
+    modulated at timestep 0) with random weights: Qwen2.5-VL with its vision tower, a Qwen2VLProcessor
+    (qwen_vl_processor), a VAE compressing 4x (the released 8x; a source at the pipeline's ~1 MP would be 65,536
+    tokens at 2x). 32x32 -> 8x8 x z_dim latents -> 16 packed tokens of 4*z_dim. `edit_class` QwenImageEditPipeline:
+    Qwen-Image-Edit (2508, one source image)."""
+    torch.manual_seed(seed)
+    tok = qwen_tokenizer(extra=QWENIMAGE_EDIT_PIECES)
+    text_encoder = _qwen2_5_vl(tok, hidden=text_dim)
+    vae = AutoencoderKLQwenImage(base_dim=8, z_dim=z_dim, dim_mult=[1, 2, 2], num_res_blocks=1, attn_scales=[],
+                                 temperal_downsample=[False, False], latents_mean=(0.1 * torch.randn(z_dim)).tolist(),
+                                 latents_std=(0.5 + torch.rand(z_dim)).tolist())
+    transformer = QwenImageTransformer2DModel(
+        patch_size=2, in_channels=4 * z_dim, out_channels=z_dim, num_layers=num_layers, attention_head_dim=head_dim,
+        num_attention_heads=heads, joint_attention_dim=text_dim, guidance_embeds=False, zero_cond_t=zero_cond_t,
+        axes_dims_rope=(head_dim // 4, 3 * head_dim // 8, 3 * head_dim // 8))
+    # Qwen/Qwen-Image-Edit-2509's scheduler_config.json (Qwen-Image's)
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        base_image_seq_len=256, base_shift=0.5, max_image_seq_len=8192, max_shift=0.9, shift=1.0, shift_terminal=0.02,
+        time_shift_type="exponential", use_dynamic_shifting=True)
+    return (edit_class or QwenImageEditPlusPipeline)(
+        scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tok, processor=qwen_vl_processor(tok),
+        transformer=transformer)
+
+
+def build_qwenimage_edit(*, seed: int = 0, **kwargs) -> QwenImageEditPipeline:
+    """A QwenImageEditPipeline (Qwen-Image-Edit, 2508: one source image, its Qwen2.5-VL input the VAE's ~1 MP
+    resize) with random weights, built as build_qwenimage_edit_plus."""
+    return build_qwenimage_edit_plus(seed=seed, edit_class=QwenImageEditPipeline, **kwargs)
 
 
 def build_flux2(seed: int = 0, num_layers: int = 1, num_single_layers: int = 1, heads: int = 2, head_dim: int = 16,
