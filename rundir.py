@@ -1579,7 +1579,7 @@ def fill_text_cache(pipe, kind: str, prompts: list[str], *, directory: str, devi
         differ = [what[k] for k in meta if found.get(k) != meta[k]]
         fail(f"--text-cache {directory!r} holds the embeddings of another {', '.join(differ)}; pass an empty "
              f"or a new directory")
-    shared = not FAMILIES[kind].get("editing")  # an editing model's negative may see the prompt's images
+    shared = not edits  # an edit's negative may see its images (Qwen-Image-Edit's): kept in each row
     neg = {k: v for k, v in rows[0].items() if shared and k.startswith("neg_")}  # else kept in each row
     if neg and not os.path.exists(negative + ".safetensors"):
         save_row(negative + ".safetensors", neg)
