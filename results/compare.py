@@ -3,6 +3,7 @@
     python results/compare.py                  # run every missing (config, seed), then write results/compare/
     python results/compare.py --summary-only   # rebuild the plots and tables from results/compare/raw/
     python results/compare.py --video          # the moving-shapes world: first-frame, mean and motion rewards
+    python results/compare.py --edit           # the editing toy world: every file at equal NFE
 
 Each run is one algorithm file on `--model toy` (its TOY preset plus the flags in CONFIGS), one thread, `--workers`
 runs side by side. A config runs max(--min-iterations, its share of --budget-nfe) iterations, rounded up to a multiple
@@ -90,6 +91,14 @@ VIDEO = {f"video_flow_grpo_{r}": 5 for r in VIDEO_REWARDS}  # the rows run; ever
 VIDEO_SETTINGS = {"budget_nfe": 20 * 3072, "eval_every": 5, "min_iterations": 10,
                   "out": os.path.join(ROOT, "results", "compare", "video"),
                   "runs_dir": os.path.join(ROOT, "runs", "compare_video")}
+# The editing comparison (--edit; results/compare/edit/): every file's TOY preset on the editing toy (--model
+# toy-edit: rundir.TOY_EDIT_WORLD, trained on toy_edit + toy_preserve), each run to the same NFE. {config: seeds}
+EDIT_METRICS = ("toy_edit", "toy_preserve", "toy_edit_strict")
+CONFIGS.update({f"edit_{f}": (f"{f}.py", ["--model", "toy-edit"], 0) for f in VIDEO_FILES})
+EDIT = {f"edit_{f}": 5 for f in VIDEO_FILES}
+EDIT_SETTINGS = {"budget_nfe": 10 * 3072, "eval_every": 5, "min_iterations": 5, "eval_num": 128,
+                 "out": os.path.join(ROOT, "results", "compare", "edit"),
+                 "runs_dir": os.path.join(ROOT, "runs", "compare_edit")}
 # The papers' main tables, each row a config: name: (title, {config: the paper's row name}, claims); a claim is
 # (what the paper finds, config a, config b, kind): "better" = a above b; "comparable" = a within a margin of b.
 TABLES = {
@@ -164,8 +173,8 @@ def seeds_of(a, config):
     with --video) - 1."""
     if a.seeds:
         return a.seeds
-    if getattr(a, "video", False):
-        return list(range(VIDEO.get(config, 0)))
+    if getattr(a, "video", False) or getattr(a, "edit", False):
+        return list(range((VIDEO if getattr(a, "video", False) else EDIT).get(config, 0)))
     return list(range(EQUAL[config] if getattr(a, "equal", False) else CONFIGS[config][2]))
 
 
@@ -791,6 +800,39 @@ def video_table(out):
     return lines
 
 
+def edit_table(out):
+    """The editing comparison from <out>/raw/: per file, the change from the base model of the instruction, the
+    preservation and the strict reward at equal NFE (the last NFE every run reaches), over seeds and pairs with its
+    interval (results/stats.py); <out>/edit.md."""
+    runs = {}
+    for c in (c for c in CONFIGS if c.startswith("edit_")):
+        for path in sorted(glob.glob(os.path.join(out, "raw", f"{c}__seed*.json"))):
+            runs.setdefault(c, []).append(json.load(open(path)))
+    if not runs:
+        return []
+    cv = {c: [curves(r) for r in rs] for c, rs in runs.items()}
+    eq_nfe = min(x[-1]["nfe"] for xs in cv.values() for x in xs)
+    evals = sorted({len(next(iter(ev.values()))) for rs in runs.values() for r in rs for ev in r["evals"].values()})
+    lines = ["## Every file on the editing toy world, at equal NFE", "",
+             "The editing toy (`--model toy-edit`: a FluxKontextPipeline of 2 M parameters, toy/make_edit_toy.py) "
+             "trained by each file's TOY preset on `toy_edit` (the instruction carried out) and `toy_preserve` (the "
+             "rest of the source kept), and scored on "
+             f"{'/'.join(map(str, evals))} fixed held-out (instruction, source, seed) triples (ODE) by both and by "
+             f"the 0/1 `toy_edit_strict`. Each cell: the change from the base model at equal NFE ({eq_nfe:,.0f}, "
+             "the last every run reaches; linear between evaluations), mean over seeds and pairs [95% interval: "
+             "results/stats.py, the seeds and the pairs resampled].", "",
+             "| file | seeds | " + " | ".join(EDIT_METRICS) + " |", "|---|---|" + "---|" * len(EDIT_METRICS)]
+    for f, name in VIDEO_FILES.items():
+        c = f"edit_{f}"
+        if c in cv:
+            cells = [change(cv[c], "nfe", eq_nfe, m, config=c) for m in EDIT_METRICS]
+            lines.append(f"| {name} | {len(cv[c])} | " + " | ".join(cells) + " |")
+    lines.append("")
+    with open(os.path.join(out, "edit.md"), "w") as fh:
+        fh.write("\n".join(lines))
+    return lines
+
+
 def summarize(a):
     import matplotlib
 
@@ -902,6 +944,8 @@ def main():
     p.add_argument("--equal", action="store_true", help="the equal-compute comparison of every file (EQUAL)")
     p.add_argument("--video", action="store_true", help="the moving-shapes comparison (VIDEO): first-frame, mean "
                    "and motion rewards as the trained reward")
+    p.add_argument("--edit", action="store_true", help="the editing comparison (EDIT): every file's preset on "
+                   "the editing toy world")
     p.add_argument("--configs", nargs="+", default=None, choices=list(CONFIGS), metavar="CONFIG")
     p.add_argument("--seeds", nargs="+", type=int, default=None, help="default: each config's own count (CONFIGS)")
     p.add_argument("--workers", type=int, default=2, help="runs side by side, one thread each")
@@ -915,18 +959,18 @@ def main():
     p.add_argument("--out", default=os.path.join(ROOT, "results", "compare"))
     p.add_argument("--summary-only", action="store_true")
     a = p.parse_args()
-    if a.equal or a.video:  # its own budget, evaluation interval and directories, unless given
+    if a.equal or a.video or a.edit:  # its own budget, evaluation interval and directories, unless given
         given = {x.split("=")[0][2:].replace("-", "_") for x in sys.argv[1:] if x.startswith("--")}
-        for key, value in (VIDEO_SETTINGS if a.video else EQUAL_SETTINGS).items():
+        for key, value in (VIDEO_SETTINGS if a.video else EDIT_SETTINGS if a.edit else EQUAL_SETTINGS).items():
             setattr(a, key, getattr(a, key) if key in given else value)
-    chosen = VIDEO if a.video else EQUAL if a.equal else {c: v[2] for c, v in CONFIGS.items()}
+    chosen = VIDEO if a.video else EDIT if a.edit else EQUAL if a.equal else {c: v[2] for c, v in CONFIGS.items()}
     a.configs = a.configs or [c for c in CONFIGS if chosen.get(c, 0)]
     if a.workers < 1 or a.eval_every < 1 or a.min_iterations < 1 or a.budget_nfe <= 0:
         sys.exit("error: --workers, --eval-every and --min-iterations must be >= 1 and --budget-nfe > 0")
     if not a.summary_only:
         run_all(a)
-    if a.video:
-        return print("\n".join(video_table(a.out)))
+    if a.video or a.edit:
+        return print("\n".join((video_table if a.video else edit_table)(a.out)))
     if a.equal:  # the summary of both comparisons: the papers' runs beside equal/
         a = argparse.Namespace(**{**vars(a), "equal": False, "seeds": None, "out": os.path.dirname(a.out),
                                   "configs": [c for c in CONFIGS if CONFIGS[c][2]]})
