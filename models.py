@@ -277,6 +277,7 @@ def qwen_edit_encode(pipe, prompts, *, max_sequence_length, guidance, device):
         out[prefix + "embeds"], out[prefix + "mask"] = padded(rows[prefix], max_sequence_length)
     return {**out, "cond": torch.stack(tokens).to(device), "cond_shapes": torch.stack(shapes).to(device)}
 
+
 # ======== SD3 (StableDiffusion3Pipeline) ========
 def sd3_encode(pipe, prompts, *, max_sequence_length, guidance, device):
     embeds, neg, pooled, neg_pooled = pipe.encode_prompt(
