@@ -11,7 +11,7 @@ from helpers import learning_runs, paired, read_metrics
 
 pytestmark = pytest.mark.slow
 
-PAIRS = 128
+PAIRS = 96  # the first 96 of the 128 pairs the cases below were measured on: every file still >= +2.8 SE
 # name: (script, iterations, flags on top of the preset, process). Each run is the shortest that clears 3 SE,
 # measured here (toy_motion gain +- paired SE on the 128 pairs, seed 0, one thread; docs/video.md has the table):
 # after 1 iteration densegrpo +4.1, diffusion_nft +4.7, awm +5.1, dgpo +5.5, g2rpo (Lambda {1}) +4.3, dpo +3.1, crd
