@@ -1,4 +1,4 @@
-"""The model families: what this project needs of a diffusers text-to-image (or text-to-video) pipeline,
+"""The model families: what this project needs of a diffusers text-to-image (editing, text-to-video) pipeline,
 one entry per family in FAMILIES. The algorithm files never name a family: common.py's model functions
 (latent_shape, pipeline_sigmas, encode_prompts, velocity, decode, make_trainable, shard) look the loaded
 pipeline's entry up by its `kind`.
@@ -24,6 +24,11 @@ An entry (a dict of plain functions and names) defines:
                     "none" (ignored: a step-distilled model)
     negative        the negative prompt of true CFG
     call_guidance   --guidance -> the pipeline __call__'s arguments for the same guidance (the run's summary)
+    editing         (editing families only) True: prompts may carry source images (common.Prompt.images);
+                    encode then also returns their tokens ("cond") and what places them (ids or shapes), per
+                    prompt, which velocity puts after the noisy target's tokens and cuts off again; pipe.
+                    condition_size (--condition-size) sets the size they are encoded at
+    call_image      (editing families only) (height, width, condition_size) -> the __call__'s source arguments
 
 Every velocity returns dx/dsigma in the latent layout the family's pipeline draws its noise in, so the same
 initial noise and the same schedule give the pipeline's own latents (tests/test_families.py). Where a family
@@ -586,21 +591,6 @@ FAMILIES = {
                                            "ff_context.net.2"],
         "blocks": flux_blocks, "guidance": lambda pipe: "embedded" if pipe.transformer.config.guidance_embeds
         else "none", "negative": None},
-    "kontext": {
-        "call_guidance": lambda g: f"guidance_scale={g}",
-        "pipelines": ("FluxKontextPipeline",), "transformers": ("FluxTransformer2DModel",),
-        "aliases": {"flux-kontext-dev": "black-forest-labs/FLUX.1-Kontext-dev"},
-        "latent": lambda pipe, r: square(r, f=pipe.vae_scale_factor, mult=2 * pipe.vae_scale_factor,
-                                         channels=pipe.transformer.config.in_channels // 4),
-        "mu": lambda pipe, latent, steps: calculate_shift(latent[1] * latent[2] // 4, pipe.scheduler.config),
-        "base_sigmas": linspace_sigmas, "encode": kontext_encode, "velocity": flux_velocity,
-        "decode": vae_decode, "editing": True,
-        "call_image": lambda h, w, size: f"image=source, max_area={h * w}, "
-        + ("" if size is None else "_auto_resize=False, "),  # (--condition-size > 0: resize the source first)
-        "lora_targets": lambda t: _ATTN + ["ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj",
-                                           "ff_context.net.2"],
-        "blocks": flux_blocks, "guidance": lambda pipe: "embedded" if pipe.transformer.config.guidance_embeds
-        else "none", "negative": None},
     "sd3": {
         "call_guidance": lambda g: f"guidance_scale={g}",
         "pipelines": ("StableDiffusion3Pipeline",), "transformers": ("SD3Transformer2DModel",),
@@ -679,6 +669,12 @@ FAMILIES = {
         + ["ffn.net.0.proj", "ffn.net.2"],  # Flow-Factory's default_target_modules (models/wan/wan2_t2v.py)
         "blocks": lambda t: list(t.blocks), "guidance": lambda pipe: "cfg", "negative": ""},
 }
+
+FAMILIES["kontext"] = {  # FLUX.1 Kontext: FLUX.1-dev's entry, its sources' tokens after the target's
+    **FAMILIES["flux"], "pipelines": ("FluxKontextPipeline",),
+    "aliases": {"flux-kontext-dev": "black-forest-labs/FLUX.1-Kontext-dev"}, "encode": kontext_encode,
+    "editing": True, "call_image": lambda h, w, size: f"image=source, max_area={h * w}, "
+    + ("" if size is None else "_auto_resize=False, ")}  # (--condition-size > 0: resize the source first)
 
 
 def family_of(pipe) -> str | None:

@@ -755,19 +755,28 @@ def equal_compute(out):
     return lines
 
 
+def finished_rows(out, prefix: str):
+    """The rows of CONFIGS named `prefix`... that have finished seeds in <out>/raw/, whichever ran: ({config: each
+    seed's curves}, the last NFE every run reaches, the numbers of evaluation pairs); ({}, None, []) if none."""
+    runs = {}
+    for c in (c for c in CONFIGS if c.startswith(prefix)):
+        for path in sorted(glob.glob(os.path.join(out, "raw", f"{c}__seed*.json"))):
+            runs.setdefault(c, []).append(json.load(open(path)))
+    if not runs:
+        return {}, None, []
+    cv = {c: [curves(r) for r in rs] for c, rs in runs.items()}
+    eq_nfe = min(x[-1]["nfe"] for xs in cv.values() for x in xs)
+    evals = sorted({len(next(iter(ev.values()))) for rs in runs.values() for r in rs for ev in r["evals"].values()})
+    return cv, eq_nfe, evals
+
+
 def video_table(out):
     """The moving-shapes comparison from <out>/raw/: per row (a file trained on one reward), the change from the base
     model of every reward at equal NFE (the last NFE every run reaches), over seeds and pairs with its interval
     (results/stats.py), and whether training on a frame's reward reaches the motion reward; <out>/video.md."""
-    runs = {}  # every video row that has finished seeds, whichever VIDEO runs
-    for c in (c for c in CONFIGS if c.startswith("video_")):
-        for path in sorted(glob.glob(os.path.join(out, "raw", f"{c}__seed*.json"))):
-            runs.setdefault(c, []).append(json.load(open(path)))
-    if not runs:
+    cv, eq_nfe, evals = finished_rows(out, "video_")
+    if not cv:
         return []
-    cv = {c: [curves(r) for r in rs] for c, rs in runs.items()}
-    eq_nfe = min(x[-1]["nfe"] for xs in cv.values() for x in xs)
-    evals = sorted({len(next(iter(ev.values()))) for rs in runs.values() for r in rs for ev in r["evals"].values()})
     lines = ["## What a per-frame reward misses: the moving-shapes world", "",
              "The video toy (`--model toy-video`: a tiny Wan2.1-architecture WanPipeline, 9 frames of 32 x 32, "
              "toy/make_video_toy.py) trained by each row's file and TOY preset (Flow-GRPO and DanceGRPO at lr 3e-4 "
@@ -804,15 +813,9 @@ def edit_table(out):
     """The editing comparison from <out>/raw/: per file, the change from the base model of the instruction, the
     preservation and the strict reward at equal NFE (the last NFE every run reaches), over seeds and pairs with its
     interval (results/stats.py); <out>/edit.md."""
-    runs = {}
-    for c in (c for c in CONFIGS if c.startswith("edit_")):
-        for path in sorted(glob.glob(os.path.join(out, "raw", f"{c}__seed*.json"))):
-            runs.setdefault(c, []).append(json.load(open(path)))
-    if not runs:
+    cv, eq_nfe, evals = finished_rows(out, "edit_")
+    if not cv:
         return []
-    cv = {c: [curves(r) for r in rs] for c, rs in runs.items()}
-    eq_nfe = min(x[-1]["nfe"] for xs in cv.values() for x in xs)
-    evals = sorted({len(next(iter(ev.values()))) for rs in runs.values() for r in rs for ev in r["evals"].values()})
     lines = ["## Every file on the editing toy world, at equal NFE", "",
              "The editing toy (`--model toy-edit`: a FluxKontextPipeline of 2 M parameters, toy/make_edit_toy.py) "
              "trained by each file's TOY preset on `toy_edit` (the instruction carried out) and `toy_preserve` (the "

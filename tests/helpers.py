@@ -348,6 +348,22 @@ def learning_runs(tmp_path_factory, cases: dict, *, model: str, base: str, pairs
     return result
 
 
+def learning_gain(runs: dict, name: str, *, cases: dict, base: str, metric: str) -> tuple:
+    """A learning run's held-out gain in `metric` against the base evaluation of the `base` run, its paired
+    standard error (printed) and its run directory; the run must have exited 0."""
+    out, code, log = runs[name]
+    assert code == 0, log[-3000:]
+    run, _ = read_metrics(out)
+    first, _ = read_metrics(runs[base][0])
+    iterations = cases[name][1]
+    before, after = (json.load(open(os.path.join(r, f"eval_{i}.json"))) for r, i in ((first, 0), (run, iterations)))
+    gain, se = paired(before[metric], after[metric])
+    n = len(before[metric])
+    print(f"{name}: {metric} {sum(before[metric]) / n:.4f} -> {sum(after[metric]) / n:.4f}, gain {gain:+.4f} +- "
+          f"{se:.4f} (paired SE, {gain / se:+.1f} SE)")
+    return gain, se, run
+
+
 def paired(before: list, after: list) -> tuple:
     """The mean change over the same pairs and its paired standard error."""
     d = [b - a for a, b in zip(before, after)]

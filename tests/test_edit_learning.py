@@ -3,12 +3,9 @@ toy/edit_world.py's edits, rewarded for carrying the instruction out and for kee
 algorithm file's TOY preset raises the held-out instruction reward (toy_edit) of ODE samples on fixed (instruction,
 source, seed) triples beyond 2 paired standard errors against the base model in a short run. The runs use one
 thread each, in two processes side by side; the base model is evaluated once."""
-import json
-import os
-
 import pytest
 
-from helpers import learning_runs, paired, read_metrics
+from helpers import learning_gain, learning_runs
 
 pytestmark = pytest.mark.slow
 
@@ -38,13 +35,5 @@ def runs(tmp_path_factory):
 
 @pytest.mark.parametrize("name", CASES)
 def test_edit_reward_rises_on_the_editing_toy(runs, name):
-    out, code, log = runs[name]
-    assert code == 0, log[-3000:]
-    run, _ = read_metrics(out)
-    base, _ = read_metrics(runs[BASE][0])
-    iterations = CASES[name][1]
-    before, after = (json.load(open(os.path.join(r, f"eval_{i}.json"))) for r, i in ((base, 0), (run, iterations)))
-    gain, se = paired(before["toy_edit"], after["toy_edit"])
-    print(f"{name}: toy_edit {sum(before['toy_edit']) / PAIRS:.4f} -> {sum(after['toy_edit']) / PAIRS:.4f}, "
-          f"gain {gain:+.4f} +- {se:.4f} (paired SE, {gain / se:+.1f} SE)")
+    gain, se, _ = learning_gain(runs, name, cases=CASES, base=BASE, metric="toy_edit")
     assert gain > 2 * se, (gain, se)

@@ -2,12 +2,11 @@
 (rundir.TOY_VIDEO_WORLD: 9 frames, trained on toy_frame averaged over the frames and toy_motion), raises the held-out
 motion reward of ODE samples on fixed prompt/seed pairs beyond 2 paired standard errors against the base model in a
 short run. The runs use one thread each, in two processes side by side; the base model is evaluated once."""
-import json
 import os
 
 import pytest
 
-from helpers import learning_runs, paired, read_metrics
+from helpers import learning_gain, learning_runs
 
 pytestmark = pytest.mark.slow
 
@@ -44,14 +43,6 @@ def runs(tmp_path_factory):
 
 @pytest.mark.parametrize("name", CASES)
 def test_motion_reward_rises_on_the_moving_shapes_toy(runs, name):
-    out, code, log = runs[name]
-    assert code == 0, log[-3000:]
-    run, _ = read_metrics(out)
-    base, _ = read_metrics(runs[BASE][0])
-    iterations = CASES[name][1]
-    before, after = (json.load(open(os.path.join(r, f"eval_{i}.json"))) for r, i in ((base, 0), (run, iterations)))
-    gain, se = paired(before["toy_motion"], after["toy_motion"])
-    print(f"{name}: toy_motion {sum(before['toy_motion']) / PAIRS:.4f} -> {sum(after['toy_motion']) / PAIRS:.4f}, "
-          f"gain {gain:+.4f} +- {se:.4f} (paired SE, {gain / se:+.1f} SE)")
+    gain, se, run = learning_gain(runs, name, cases=CASES, base=BASE, metric="toy_motion")
     assert gain > 2 * se, (gain, se)
-    assert os.path.isfile(os.path.join(run, "samples", f"eval_{iterations}.webp"))  # the evaluation's videos
+    assert os.path.isfile(os.path.join(run, "samples", f"eval_{CASES[name][1]}.webp"))  # the evaluation's videos
