@@ -257,8 +257,10 @@ def test_released_architectures_have_the_published_sizes():
     for arch, published in estimate.PUBLISHED.items():
         for built, count in zip(estimate.parameter_counts(arch), published):
             assert built == pytest.approx(count, rel=0.06 if count < 1e9 else 0.02), arch  # VAEs: "0.08B"
-    aliases = set(__import__("common").MODEL_ALIASES) - {"toy", "toy-video"}
+    aliases = set(__import__("common").MODEL_ALIASES) - set(estimate.TOY_ALIASES)
     assert aliases == set(estimate.ARCHITECTURE)  # every --model alias has its architecture
+    assert set(estimate.ARCHITECTURE.values()) <= set(estimate.PUBLISHED) | {"flux", "sd3"} | {
+        a for a in estimate.ARCHITECTURE.values() if a.startswith("wan")}
 
 
 @pytest.mark.slow
