@@ -21,6 +21,12 @@ with Mistral-Small-3.1-24B, FLUX.2 [klein] 4B / 9B with Qwen3-4B / 8B, Z-Image w
 through its family's own velocity, decoding and embeddings (every prompt counted at --max-sequence-length tokens
 where the family cuts them to the longest: an upper bound). A video row keeps every sample's decoded frames
 (float32) for the rewards, as the files do, and an image reward scores the frames --frame-reduce picks.
+The editing rows (FLUX.1 Kontext, Qwen-Image-Edit, FLUX.2 with --condition-size) give each prompt one source
+at the target's size, resized by the family's own code (edit_condition); its packed latents ("cond") ride in
+the prompt's embeddings, so every forward runs on the target's and the source's tokens (the families'
+velocity); the encode phases add the sources' VAE encoding and, for Qwen-Image-Edit, the Qwen2.5-VL encoder on
+each prompt alone with the source's image tokens in its sequence (the vision tower's FLOPs in closed form:
+vision_flops); image_similarity is the CLIP ViT-L/14 image tower, GenEval a server (no GPU memory).
 One iteration's phases then run on one rank with the shapes the file uses:
 - encode: the text encoders on the GPU for 16 prompts (`common.encode_prompts`' chunk), called as the pipelines
   call them; with --text-cache only the embeddings, read from disk (the start-up's fill measured apart: the
