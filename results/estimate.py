@@ -21,6 +21,12 @@ with Mistral-Small-3.1-24B, FLUX.2 [klein] 4B / 9B with Qwen3-4B / 8B, Z-Image w
 through its family's own velocity, decoding and embeddings (every prompt counted at --max-sequence-length tokens
 where the family cuts them to the longest: an upper bound). A video row keeps every sample's decoded frames
 (float32) for the rewards, as the files do, and an image reward scores the frames --frame-reduce picks.
+The editing rows (FLUX.1 Kontext, Qwen-Image-Edit, FLUX.2 with --condition-size) give each prompt one source
+at the target's size, resized by the family's own code (edit_condition); its packed latents ("cond") ride in
+the prompt's embeddings, so every forward runs on the target's and the source's tokens (the families'
+velocity); the encode phases add the sources' VAE encoding and, for Qwen-Image-Edit, the Qwen2.5-VL encoder on
+each prompt alone with the source's image tokens in its sequence (the vision tower's FLOPs in closed form:
+vision_flops); image_similarity is the CLIP ViT-L/14 image tower, GenEval a server (no GPU memory).
 One iteration's phases then run on one rank with the shapes the file uses:
 - encode: the text encoders on the GPU for 16 prompts (`common.encode_prompts`' chunk), called as the pipelines
   call them; with --text-cache only the embeddings, read from disk (the start-up's fill measured apart: the
@@ -80,6 +86,11 @@ README_D = ("--model flux2-dev --guidance 4 --num-steps 8 --eval-steps 28 --prom
             "--text-cache /cache/flux2-dev")
 README_Z = ("--model z-image --guidance 4 --prompts-per-iteration 48 --max-sequence-length 512 --beta 0 "
             "--lora-rank 64 --lora-alpha 128 --group-size 16")
+# Qwen-Image-Edit-2511 at 512 px with one 512 px source: the Qwen2.5-VL embeddings hold the source's 196 image
+# tokens, hence 512 tokens (the edit pipelines' default) for them and the prompt; the doubled image sequence
+# (2 x 1024 tokens) makes the default micro-batch of 12 twice Qwen-Image's transient memory: 4 per forward
+QWEN_EDIT = ("--model qwen-image-edit-2511 --guidance 4 --lora-rank 64 --lora-alpha 128 --max-sequence-length 512 "
+             "--condition-size 512 --micro-batch 4")
 COMMANDS = [
     ("Flow-GRPO, SD3.5-M, PickScore (LoRA)", "flow_grpo", "", 8),
     ("Flow-GRPO, FLUX.1-dev, PickScore (LoRA)", "flow_grpo", "--model flux-dev --num-steps 6 --eval-steps 28 "
@@ -213,6 +224,17 @@ COMMANDS = [
      "--model wan2.1-t2v-1.3b --num-frames 33 --resolution 480 --width 832 --guidance 5 "
      "--rewards videoalign_vq videoalign_mq --reward-combine advantages --videoalign-url http://127.0.0.1:18087 "
      "--text-cache runs/text-cache/wan --max-sequence-length 512 --micro-batch 4", 8),  # at 12: 77.7 GiB
+    # editing (appended): one source at the target's 512 px, its tokens after the target's in every forward
+    ("Flow-GRPO, FLUX.1 Kontext [dev], image similarity + GenEval, 512 px source (the README's line)", "flow_grpo",
+     "--model flux-kontext-dev --resolution 512 --condition-size 512 --num-steps 6 --eval-steps 28 --guidance 2.5 "
+     "--group-size 21 --prompts-per-iteration 48 --noise-level 0.9 --beta 0 --rewards image_similarity geneval "
+     "--reward-weights 0.5 0.5", 8),
+    ("1 GPU (24 GB): Flow-GRPO, FLUX.2 [klein] base 4B, editing, 512 px reference (LoRA, text cache)", "flow_grpo",
+     "--model flux2-klein-base-4b --guidance 4 --lora-rank 32 --lora-alpha 64 --prompts-per-iteration 1 "
+     "--group-size 8 --micro-batch 4 --eval-num 64 --text-cache /cache/klein4b-edit --condition-size 512", 1),
+    ("Flow-GRPO, Qwen-Image-Edit-2511, PickScore, 512 px source (LoRA, micro-batch 4)", "flow_grpo", QWEN_EDIT, 8),
+    ("DiffusionNFT, Qwen-Image-Edit-2511, PickScore, 512 px source (LoRA, micro-batch 4)", "diffusion_nft", QWEN_EDIT, 8),
+    ("AWM, Qwen-Image-Edit-2511, PickScore, 512 px source (LoRA, micro-batch 4)", "awm", QWEN_EDIT, 8),
 ]
 # evaluate.py's evaluation of FLUX.1-dev, modelled with rundir.Run.evaluate's phases
 EVALUATE = dict(name="evaluate.py, FLUX.1-dev, 720 px, 50 steps, 400 prompts, 8 GPUs", kind="flux",
@@ -245,12 +267,25 @@ ARCHITECTURE = {"sd3.5-medium": "sd3", "flux-dev": "flux", "qwen-image": "qwen-i
                 "flux2-klein-base-4b": "klein-4b", "flux2-klein-4b": "klein-4b",
                 "flux2-klein-base-9b": "klein-9b", "flux2-klein-9b": "klein-9b",
                 "z-image": "z-image", "z-image-turbo": "z-image", "wan2.1-t2v-1.3b": "wan-1.3b",
-                "wan2.1-t2v-14b": "wan-14b", "wan2.2-ti2v-5b": "wan-5b"}
+                "wan2.1-t2v-14b": "wan-14b", "wan2.2-ti2v-5b": "wan-5b",
+                # the editing models: FLUX.1 Kontext [dev] is a FLUX.1 [dev] transformer (12B) with its T5 / CLIP and
+                # VAE; Qwen-Image-Edit (2508, 2509, 2511) the Qwen-Image 20B transformer (2511: zero_cond_t, the
+                # sources' tokens modulated at t = 0) with Qwen2.5-VL-7B and its vision tower, Qwen-Image's VAE
+                "flux-kontext-dev": "kontext", "qwen-image-edit": "qwen-image-edit",
+                "qwen-image-edit-2509": "qwen-image-edit", "qwen-image-edit-2511": "qwen-image-edit-2511"}
+TOY_ALIASES = ("toy", "toy-video", "toy-edit")  # common.MODEL_ALIASES' toy worlds: no released architecture
+# the pipeline an editing alias loads where its family has several (models.FAMILIES "pipelines": the first)
+EDIT_PIPELINE = {"qwen-image-edit": "QwenImageEditPipeline"}
 DISTILLED = ("flux2-klein-4b", "flux2-klein-9b")  # Flux2KleinPipeline(is_distilled=True): no CFG, no guidance
 # published parameters (../shared/reference/models_2026.md; Qwen3-8B's model card: 8.2B, the reference's 7.6B
 # leaves out its untied head): transformer, text encoders, VAE
 PUBLISHED = {"qwen-image": (20.4e9, 8.3e9, 0.13e9), "flux2-dev": (32.2e9, 23.3e9, 0.08e9),
-             "klein-4b": (3.9e9, 4.0e9, 0.08e9), "klein-9b": (9e9, 8.2e9, 0.08e9), "z-image": (6.15e9, 4.0e9, 0.08e9)}
+             "klein-4b": (3.9e9, 4.0e9, 0.08e9), "klein-9b": (9e9, 8.2e9, 0.08e9), "z-image": (6.15e9, 4.0e9, 0.08e9),
+             # FLUX.1 Kontext [dev]'s model card: a 12B transformer; T5-XXL's encoder (4.76B) and CLIP-L's text
+             # tower (0.12B); FLUX.1's 84M autoencoder. Qwen-Image-Edit's model card: "built upon our 20B
+             # Qwen-Image model", the same Qwen2.5-VL-7B (8.3B with its vision tower) and VAE
+             "kontext": (12e9, 4.88e9, 0.084e9), "qwen-image-edit": (20.4e9, 8.3e9, 0.13e9),
+             "qwen-image-edit-2511": (20.4e9, 8.3e9, 0.13e9)}
 TEXT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3")
 
 
@@ -281,12 +316,14 @@ def _tiny(arch: str):
                 [functools.partial(type(pipe.text_encoder), copy.deepcopy(pipe.text_encoder.config))],
                 functools.partial(type(pipe.vae).from_config, pipe.vae.config))
     pipe = {"flux": toy_tiny.build_flux, "sd3": toy_tiny.build_sd3, "qwen-image": tiny_families.build_qwenimage,
+            "kontext": toy_tiny.build_flux_kontext, "qwen-image-edit": tiny_families.build_qwenimage_edit_plus,
+            "qwen-image-edit-2511": functools.partial(tiny_families.build_qwenimage_edit_plus, zero_cond_t=True),
             "flux2-dev": tiny_families.build_flux2, "klein-4b": tiny_families.build_flux2_klein,
             "klein-9b": tiny_families.build_flux2_klein, "z-image": tiny_families.build_zimage}[arch]()
     texts = [getattr(pipe, n) for n in TEXT_ENCODERS if getattr(pipe, n, None) is not None]
     configs = [copy.deepcopy(m.config) for m in texts]
     # 2 text layers: the tiny FLUX.2 pipelines' 28-31 (read by index) add fake-tensor time and no code path
-    for c in configs if arch not in ("flux", "sd3") else []:
+    for c in configs if arch not in ("flux", "sd3", "kontext") else []:
         c = getattr(c, "text_config", c)
         c.num_hidden_layers = 2
         if getattr(c, "layer_types", None):
@@ -321,7 +358,7 @@ def architectures(arch: str, *, tiny: bool):
         block_out_channels=(128, 256, 512, 512), layers_per_block=2, latent_channels=16, use_quant_conv=False,
         use_post_quant_conv=False, scaling_factor=1.5305 if arch == "sd3" else 0.3611,
         shift_factor=0.0609 if arch == "sd3" else 0.1159)  # Z-Image ships FLUX.1's autoencoder
-    if arch in ("qwen-image", "flux2-dev", "klein-4b", "klein-9b", "z-image"):
+    if arch.startswith("qwen-image") or arch in ("flux2-dev", "klein-4b", "klein-9b", "z-image"):
         return _newer_families(arch, vae)
     if arch.startswith("wan"):
         return _wan(arch)
@@ -332,7 +369,7 @@ def architectures(arch: str, *, tiny: bool):
                                        num_attention_heads=12, projection_dim=768))
     clip_g = CLIPTextConfig(**_bos_eos(hidden_size=1280, intermediate_size=5120, num_hidden_layers=32,
                                        num_attention_heads=20, projection_dim=1280, hidden_act="gelu"))
-    if arch == "flux":
+    if arch in ("flux", "kontext"):  # FLUX.1 Kontext [dev]: FLUX.1 [dev]'s transformer config
         transformer = functools.partial(
             FluxTransformer2DModel, in_channels=64, num_layers=19, num_single_layers=38,
             attention_head_dim=128, num_attention_heads=24, joint_attention_dim=4096,
@@ -354,13 +391,13 @@ def _newer_families(arch: str, flux_vae):
     from transformers import Mistral3Config, Mistral3ForConditionalGeneration, Qwen2_5_VLConfig
     from transformers import Qwen2_5_VLForConditionalGeneration, Qwen3ForCausalLM, Qwen3Model
 
-    if arch == "qwen-image":
+    if arch.startswith("qwen-image"):
         # Qwen/Qwen-Image's transformer/config.json and vae/config.json (as public loaders and tests quote them;
         # diffusers' QwenImageTransformer2DModel and AutoencoderKLQwenImage defaults are the same values)
         transformer = functools.partial(
             QwenImageTransformer2DModel, patch_size=2, in_channels=64, out_channels=16, num_layers=60,
             attention_head_dim=128, num_attention_heads=24, joint_attention_dim=3584, guidance_embeds=False,
-            axes_dims_rope=(16, 56, 56))
+            axes_dims_rope=(16, 56, 56), zero_cond_t=arch == "qwen-image-edit-2511")  # 2511's config.json
         vae = functools.partial(AutoencoderKLQwenImage, base_dim=96, z_dim=16, dim_mult=[1, 2, 4, 4],
                                 num_res_blocks=2, attn_scales=[], temperal_downsample=[False, True, True])
         # Qwen/Qwen2.5-VL-7B-Instruct's config.json: the 28-layer language model (3584 wide, 28 query / 4 key-value
@@ -468,8 +505,9 @@ def reward_spec(name: str, *, tiny: bool):
     size. hps: open_clip ViT-H-14 at 224 (HPS-v2.1); clip: ViT-H-14 at 384 (DFN5B, quick GELU); pickscore:
     transformers CLIP-H/14; imagereward: BLIP ViT-L/16 at 224 (24 x 1024, 16 heads) and BERT-base with
     cross-attention (768, 12 layers, encoder width 1024), MLP head; aesthetic: openai CLIP ViT-L/14
-    (24 x 1024, patch 14, 224 px, projection 768), MLP head."""
-    if name not in REWARD_TABLE:
+    (24 x 1024, patch 14, 224 px, projection 768), MLP head; image_similarity: the same CLIP ViT-L/14 image
+    tower and projection (rewards.image_similarity_reward: openai/clip-vit-large-patch14), no head."""
+    if name not in (*REWARD_TABLE, "image_similarity"):
         return None
     small = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)  # tiny
     if name in ("hps", "clip"):
@@ -494,15 +532,15 @@ def reward_spec(name: str, *, tiny: bool):
             patch_size=14, image_size=224, hidden_act="gelu")
         return {"family": "clip", "text": _bos_eos(**text), "vision": vision, "size": vision["image_size"],
                 "projection_dim": 16 if tiny else 1024, "text_length": 77}
-    if name == "aesthetic":
+    if name in ("aesthetic", "image_similarity"):
         text = small if tiny else dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
                                        num_attention_heads=12)
         vision = dict(small, patch_size=8, image_size=32) if tiny else dict(
             hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
             patch_size=14, image_size=224)
         return {"family": "clip_vision", "text": _bos_eos(**text), "vision": vision,
-                "size": vision["image_size"], "projection_dim": 16 if tiny else 768, "head": IMAGEREWARD_HEAD,
-                "text_length": 77}
+                "size": vision["image_size"], "projection_dim": 16 if tiny else 768,
+                "head": IMAGEREWARD_HEAD if name == "aesthetic" else None, "text_length": 77}
     if tiny:
         vision = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, patch_size=16,
                       image_size=32)
@@ -551,7 +589,7 @@ class RewardTowers(torch.nn.Module):
                 self.towers = torch.nn.ModuleList([vision.to(dtype)])
                 self.heads = torch.nn.ModuleList([
                     torch.nn.Linear(spec["vision"]["hidden_size"], spec["projection_dim"], bias=False),
-                    self.mlp(spec["projection_dim"], spec["head"])])
+                    *([self.mlp(spec["projection_dim"], spec["head"])] if spec["head"] else [])])
         else:
             from transformers import BlipTextConfig, BlipTextModel, BlipVisionConfig, BlipVisionModel
 
@@ -587,8 +625,10 @@ class RewardTowers(torch.nn.Module):
             txt = normalize(self.heads[1](txt), dim=-1)
             return self.scale.exp() * (img * txt).sum(-1) / 26
         if self.family == "clip_vision":
-            embedding = self.heads[0](self.towers[0](pixel_values=x).pooler_output.float())
-            return self.heads[1](normalize(embedding, dim=-1)).squeeze(-1)
+            embedding = normalize(self.heads[0](self.towers[0](pixel_values=x).pooler_output.float()), dim=-1)
+            if len(self.heads) == 1:  # image_similarity: the cosine with the source's features (one per prompt,
+                return (embedding * embedding[:1]).sum(-1)  # its group's; here the first image's)
+            return self.heads[1](embedding).squeeze(-1)
         vision, text = self.towers
         image_tokens = vision(pixel_values=x).last_hidden_state
         cls = text(input_ids=ids, attention_mask=torch.ones_like(ids), encoder_hidden_states=image_tokens,
@@ -786,6 +826,108 @@ def text_forward(texts, ids):
                   **({"use_cache": False} if flux2 else {}))
 
 
+# ---------------------------------------------------------------- editing: the sources' condition
+EDIT_SOURCES = 1  # source images per editing prompt (one reference, at the target's size)
+VL_FACTOR = {"patch": 14, "merge": 2}  # Qwen2.5-VL: 14-pixel patches, merged 2 x 2 into one token
+
+
+def editing(kind: str, args) -> bool:
+    """Whether a row edits: FLUX.1 Kontext and Qwen-Image-Edit always (their encodes want sources); FLUX.2,
+    which generates from text too, where the command passes --condition-size (its reference's size)."""
+    import models
+
+    return bool(models.FAMILIES[kind].get("editing")) and (kind != "flux2" or args.condition_size is not None)
+
+
+def edit_condition(kind: str, pipe, args, *, tiny: bool) -> dict:
+    """The condition an editing prompt's embeddings carry, sized as the family's encode sizes it (real tensors,
+    no weights: the families' own resizes run on a black uint8 source of the target's size): the VAE's input
+    per source ("pixels", shapes), the packed tokens ("tokens", "channels"), the position ids or latent sizes
+    every row shares ("ids" under "ids_key": what models.shared_ids returns), and for Qwen-Image-Edit the
+    image tokens its Qwen2.5-VL encoder reads per prompt ("vl_tokens", "vl_patches")."""
+    import models
+    from diffusers.image_processor import VaeImageProcessor
+
+    h, w = args.resolution, args.width or args.resolution
+    source = torch.zeros(3, h, w, dtype=torch.uint8)
+    f = pipe.vae_scale_factor
+    out = {"vl_tokens": 0, "vl_patches": 0}
+    if kind == "kontext":  # models.kontext_encode: the preferred resolution or --condition-size, then the VAE
+        from diffusers import FluxKontextPipeline
+        from diffusers.pipelines.flux.pipeline_flux_kontext import PREFERRED_KONTEXT_RESOLUTIONS
+        ch, cw = models.condition_hw(h // (2 * f) * 2 * f, w // (2 * f) * 2 * f, size=args.condition_size,
+                                     multiple=2 * f, preferred=PREFERRED_KONTEXT_RESOLUTIONS)
+        ids = FluxKontextPipeline._prepare_latent_image_ids(1, ch // f // 2, cw // f // 2, "cpu", torch.bfloat16)
+        ids[..., 0] = 1
+        channels = pipe.transformer.config.in_channels
+        out.update(pixels=[(1, 3, ch, cw)], ids=ids, ids_key="cond_ids")
+    elif kind == "qwenimage_edit":  # models.qwen_edit_sources: the VL encoder's resize and the VAE's
+        pipe.image_processor, pipe.condition_size = VaeImageProcessor(vae_scale_factor=2 * f), args.condition_size
+        seen, pixels = models.qwen_edit_sources(pipe, [source] * EDIT_SOURCES)
+        seen = seen if isinstance(seen, list) else [seen]
+        factor = 4 if tiny else VL_FACTOR["patch"] * VL_FACTOR["merge"]  # toy/tiny_families' processor: 2 x 2
+        from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
+        vl = [smart_resize(i.height, i.width, factor=factor, min_pixels=factor * factor,
+                           max_pixels=16 * 16 if tiny else 12845056) for i in seen]
+        out["vl_tokens"] = sum(a * b for a, b in vl) // factor**2
+        out["vl_patches"] = 4 * out["vl_tokens"]
+        ids = torch.tensor([[x.shape[-2] // f // 2, x.shape[-1] // f // 2] for x in pixels])
+        channels = pipe.transformer.config.in_channels
+        out.update(pixels=[tuple(x.shape) for x in pixels], ids=ids, ids_key="cond_shapes")
+    else:  # FLUX.2: models.flux2_reference, then Flux2Pipeline._prepare_image_ids of the patchified latents
+        from diffusers import Flux2Pipeline
+        from diffusers.pipelines.flux2.image_processor import Flux2ImageProcessor
+        pipe.image_processor, pipe.condition_size = Flux2ImageProcessor(vae_scale_factor=2 * f), args.condition_size
+        pipe._patchify_latents = Flux2Pipeline._patchify_latents  # (static) what its _encode_vae_image calls
+        pixels = [models.flux2_reference(pipe, models.source_image(source)) for _ in range(EDIT_SOURCES)]
+        channels = pipe.transformer.config.in_channels
+        latents = [torch.zeros(1, channels, x.shape[-2] // f // 2, x.shape[-1] // f // 2) for x in pixels]
+        out.update(pixels=[tuple(x.shape) for x in pixels], ids=Flux2Pipeline._prepare_image_ids(latents)[0],
+                   ids_key="cond_ids")
+    out.update(tokens=sum(math.prod(p[-2:]) // (2 * f) ** 2 for p in out["pixels"]), channels=channels)
+    return out
+
+
+def shared_condition(cond):
+    """models.shared_ids without data: what every row of the batch shares is known (its check of equal sizes
+    reads the ids); Qwen-Image-Edit's latent sizes as Python ints (qwen_velocity reads them with int())."""
+    if cond is None:
+        return None
+    shared = cond["ids"].tolist() if cond["ids_key"] == "cond_shapes" else cond["ids"]
+    return lambda ids: shared
+
+
+def encode_sources(kind: str, pipe, cond: dict, n: int):
+    """n editing prompts' sources through the VAE as the families' encodes call it, one prompt at a time
+    (models.kontext_encode / qwen_edit_encode / flux2_encode: the pipelines' own _encode_vae_image, the
+    posterior's mode), packed and stacked: the "cond" of n rows (bf16, the VAE's dtype)."""
+    import models
+    from diffusers import Flux2Pipeline, FluxKontextPipeline, QwenImageEditPlusPipeline
+
+    encode = {"kontext": FluxKontextPipeline, "qwenimage_edit": QwenImageEditPlusPipeline,
+              "flux2": Flux2Pipeline}[kind]._encode_vae_image
+    rows = []
+    for _ in range(n):
+        latents = [encode(pipe, torch.zeros(shape, dtype=pipe.vae.dtype), generator=None)
+                   for shape in cond["pixels"]]
+        if kind == "qwenimage_edit":
+            rows.append(torch.cat([models.pack(z[:, :, 0])[0] for z in latents]))
+        elif kind == "kontext":
+            rows.append(torch.cat([models.pack(z)[0] for z in latents]))
+        else:
+            rows.append(torch.cat([Flux2Pipeline._pack_latents(z)[0] for z in latents]))
+    return torch.stack(rows)
+
+
+def vision_flops(text_encoder, patches: int) -> int:
+    """Closed-form FLOPs of Qwen2.5-VL's vision tower on `patches` 14-pixel patches (its window indices are
+    data, which fake tensors do not have): 2 per parameter and patch, plus full attention in every block
+    (4 x patches^2 x width; 28 of its 32 blocks attend within windows: an upper bound)."""
+    visual = getattr(getattr(text_encoder, "model", text_encoder), "visual", None) or text_encoder.visual
+    c = visual.config
+    return 2 * sum(p.numel() for p in visual.parameters()) * patches + 4 * patches**2 * c.hidden_size * c.depth
+
+
 # ---------------------------------------------------------------- one command
 UNDO = {  # each change of this project's memory work, undone alone: what the code did before, how measured
     "bf16 compute weights": "FSDP2 gathered float32 weights (autocast then cast them per op) (measured)",
@@ -932,7 +1074,7 @@ def estimate(name, script, argv, world, *, tiny=False, undo=(), phases=None, cou
     sigmas = Sigmas(common.shifted_sigmas(max(T, 2), shift=3.0).tolist())
     # what the family's functions read of a pipeline: its class name (common.decode), the VAE, the latents'
     # scale (the pipelines' vae_scale_factor), the transformer's config, [klein]'s is_distilled
-    pipe = type(common.FAMILIES[kind]["pipelines"][0], (), {})()
+    pipe = type(EDIT_PIPELINE.get(args.model, common.FAMILIES[kind]["pipelines"][0]), (), {})()
     pipe.vae, pipe.transformer = vae, transformer
     pipe.vae_scale_factor = 2 ** len(vae.temperal_downsample) if hasattr(vae, "temperal_downsample") else \
         2 ** (len(vae.config.block_out_channels) - 1)
@@ -949,9 +1091,20 @@ def estimate(name, script, argv, world, *, tiny=False, undo=(), phases=None, cou
     pixels = (3, *([(shape[1] - 1) * pipe.vae_scale_factor_temporal + 1] if len(shape) == 4 else []),
               args.resolution, args.width or args.resolution)
     frames_scored = len(common.frame_indices(args.reward_models.frame_reduce, pixels[1])) if len(shape) == 4 else 1
-    pooled_dim, masked = None, kind in ("qwenimage", "zimage")
+    pooled_dim, masked = None, kind in ("qwenimage", "qwenimage_edit", "zimage")
+    cond = None
+    if editing(kind, args):  # the sources' condition, sized by the family's own resizes (one source each)
+        if tiny and args.condition_size != 0:  # the tiny target's size (the released sizes would dwarf it)
+            args.condition_size = args.resolution
+        pipe.latent_channels = getattr(vae.config, "z_dim", None)  # QwenImageEdit(Plus)Pipeline's
+        cond = edit_condition(kind, pipe, args, tiny=tiny)
+        if tiny:  # room for the tiny encoder's image tokens too
+            args.max_sequence_length += cond["vl_tokens"]
+        if cond["vl_tokens"] >= args.max_sequence_length:  # models.qwen_edit_encode's error
+            raise SystemExit(f"error: {cond['vl_tokens']} image tokens of the sources leave no room for the "
+                             f"prompt in --max-sequence-length {args.max_sequence_length}")
     tokens = text_tokens = args.max_sequence_length  # the newer families pad to it (and keep a mask)
-    if kind == "flux":
+    if kind in ("flux", "kontext"):
         txt_dim, pooled_dim = (32, 32) if tiny else (4096, 768)
     elif kind == "sd3":
         txt_dim, pooled_dim = (64, 64) if tiny else (4096, 2048)
@@ -959,11 +1112,16 @@ def estimate(name, script, argv, world, *, tiny=False, undo=(), phases=None, cou
     else:  # the text dimension the transformer takes: the stacked hidden layers of FLUX.2's
         txt_dim = transformer.config.get("joint_attention_dim") or transformer.config.get("text_dim") or \
             transformer.config.cap_feat_dim
-        text_tokens += 34 if kind == "qwenimage" else 0  # Qwen-Image's template, dropped after encoding
+        # Qwen-Image's template (34 tokens) and Qwen-Image-Edit's (64), dropped after encoding: the encoder reads
+        # them, the image tokens (inside max_sequence_length) and the prompt
+        text_tokens += {"qwenimage": 34, "qwenimage_edit": 64}.get(kind, 0)
     out.update(tokens=tokens, txt_dim=txt_dim, cfg=cfg, latent_bytes=math.prod(shape) * 4, shape=shape,
-               pixels=pixels, frames_scored=frames_scored)
+               pixels=pixels, frames_scored=frames_scored, edit=None if cond is None else {
+                   "cond_tokens": cond["tokens"], "sources": [list(p) for p in cond["pixels"]],
+                   "vl_tokens": cond["vl_tokens"], "condition_size": args.condition_size})
     with fake, patched(models, "trim", full_trim), patched(common, "fits_gathered", fits_gathered), \
-            patched_entry(common.FAMILIES["zimage"], "velocity", full_rows(common.FAMILIES["zimage"]["velocity"])):
+            patched_entry(common.FAMILIES["zimage"], "velocity", full_rows(common.FAMILIES["zimage"]["velocity"])), \
+            patched(models, "shared_ids", shared_condition(cond)):
         optimizer = torch.optim.AdamW(params, lr=1e-5)
         for p in params:  # Adam's states exist after the first step
             p.grad = torch.zeros_like(p)
@@ -1000,7 +1158,28 @@ def estimate(name, script, argv, world, *, tiny=False, undo=(), phases=None, cou
                 e["pooled"] = torch.zeros(n, pooled_dim, dtype=bf16)
             if masked:
                 e["mask"] = torch.ones(n, tokens, dtype=torch.long)
-            return {**e, **{"neg_" + k: v.clone() for k, v in e.items()}} if cfg else e
+            e = {**e, **{"neg_" + k: v.clone() for k, v in e.items()}} if cfg else e
+            if cond is not None:  # the sources' packed latents and what every row shares of their positions
+                e["cond"] = torch.zeros(n, cond["tokens"], cond["channels"], dtype=bf16)
+                e[cond["ids_key"]] = torch.zeros(n, *cond["ids"].shape, dtype=cond["ids"].dtype)
+            return e
+
+        def encode(n):
+            """n prompts as encode_prompts encodes a chunk: the text encoders (Qwen-Image-Edit: each prompt
+            alone, its sources' image tokens inside the sequence, and its negative with the same images), then
+            the sources through the VAE."""
+            if kind == "qwenimage_edit":
+                for _ in range(n * (2 if cfg else 1)):
+                    text_forward(texts, torch.zeros(1, text_tokens, dtype=torch.long))
+            else:
+                text_forward(texts, torch.zeros(n * (2 if cfg else 1), text_tokens, dtype=torch.long))
+            if cond is not None:
+                with torch.no_grad():
+                    encode_sources(kind, pipe, cond, n)
+
+        def vision(n):  # Qwen2.5-VL's vision tower on n prompts' sources (and their negatives')
+            return n * (2 if cfg else 1) * vision_flops(texts[0], cond["vl_patches"]) if cond and \
+                cond["vl_patches"] else 0
         emb = embeddings(P)
         rows = torch.zeros(max(mb, P * G), dtype=torch.long)
 
@@ -1014,17 +1193,19 @@ def estimate(name, script, argv, world, *, tiny=False, undo=(), phases=None, cou
 
         # -------- start-up with --text-cache: every prompt encoded once, 16 at a time, the text encoders alone
         # on the GPU with the reward models (loaded first; the transformer and the VAE still on the CPU)
+        # (editing: the sources' VAE encoding too, the VAE counted on the GPU)
         if cache and phases is None:
-            fill_ids = torch.zeros(16 * (2 if cfg else 1), text_tokens, dtype=torch.long)
-            out["fill"], out["fill_flops"] = measure(functools.partial(text_forward, texts, fill_ids),
-                                                     [*loaded.values(), *texts], flops=count_flops and not undo)
+            out["fill"], out["fill_flops"] = measure(functools.partial(encode, 16), [
+                *loaded.values(), *texts, *([vae] if cond else [])], flops=count_flops and not undo)
+            out["fill_flops"] = out["fill_flops"] and out["fill_flops"] + vision(16)
         # -------- encoding: the text encoders visit the GPU for the iteration's prompts (and CFG's negatives);
         # with --text-cache the embeddings come from disk (rundir.read_text_cache): no text encoder at all
-        ids = torch.zeros(min(16, P) * (2 if cfg else 1), text_tokens, dtype=torch.long)  # a chunk
         if cache:
             phase("encode", functools.partial(embeddings, P))
         else:
-            phase("encode", functools.partial(text_forward, texts, ids), *texts)
+            phase("encode", functools.partial(encode, min(16, P)), *texts)  # a chunk
+            if out.get("flops", {}).get("encode"):
+                out["flops"]["encode"] += vision(min(16, P))
 
         # -------- rollout: what the file keeps for the whole iteration, then one of each kind of call
         L = len(getattr(args, "lambdas", (1,)))
@@ -1232,11 +1413,10 @@ def estimate(name, script, argv, world, *, tiny=False, undo=(), phases=None, cou
         # micro-batches with gathered weights, decoded per micro-batch (4 at a time), every image scored at
         # once
         n_eval = -(-args.eval_num // world)  # equal shares, the last ranks repeating the last pair
-        e_ids = torch.zeros(min(16, n_eval) * (2 if cfg else 1), text_tokens, dtype=torch.long)
         if cache:
             phase("evaluation encode", functools.partial(embeddings, n_eval))
         else:
-            phase("evaluation encode", functools.partial(text_forward, texts, e_ids), *texts)
+            phase("evaluation encode", functools.partial(encode, min(16, n_eval)), *texts)
         e_emb = embeddings(n_eval)
         eval_mb = min(args.micro_batch, n_eval)
 

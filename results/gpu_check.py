@@ -1,5 +1,6 @@
 """results/estimate.py checked on a real GPU: ONE whole training iteration of each single-GPU configuration
-of the README (the "1 GPU" rows of estimate.COMMANDS) and of FAMILY_CHECKS (one command per newer family:
+of the README (the "1 GPU" rows of estimate.COMMANDS, the FLUX.2 [klein] editing row's prompts a .jsonl of
+sources of the target's size: edit_prompts) and of FAMILY_CHECKS (one command per newer family:
 Qwen-Image, FLUX.2 [dev], Z-Image-Turbo; with COMMANDS' FLUX.2 [klein] base 4B row, the "families"), run
 THROUGH THE ALGORITHM FILES THEMSELVES (runpy.run_path(file, run_name="__main__"), sys.argv = the command +
 --num-iterations 1 --eval-every 0 --save-every 0 --output-dir <tmp> --prompts <tmp prompt file>
@@ -120,7 +121,8 @@ def model_alias(argv: str) -> str:
 def key(name: str, script: str, argv: str) -> str:
     model = model_alias(argv)
     return script + ("-coca" if "--credit coca" in argv else "") + {"": "", "flux-dev": "-flux"}.get(model,
-                                                                                                 "-" + model)
+                                                                                                 "-" + model) \
+        + ("-edit" if "--condition-size" in argv.split() else "")
 
 
 def model_of(command) -> str:
@@ -423,6 +425,24 @@ def host_has_room(module, margin=16 * GIB) -> bool:
     return available > sum(p.numel() * p.element_size() for p in module.parameters()) + margin
 
 
+def edit_prompts(directory: str, height: int, width: int) -> str:
+    """An editing prompt set (common.read_prompts' .jsonl: "prompt" and "image", a path beside the file): each
+    of PROMPTS with a random RGB source of the target's size (PNG), as a counting_edit row."""
+    from PIL import Image
+
+    os.makedirs(directory, exist_ok=True)
+    rows = []
+    for i, prompt in enumerate(PROMPTS):
+        seed = torch.Generator().manual_seed(i)
+        pixels = torch.randint(0, 256, (height, width, 3), dtype=torch.uint8, generator=seed)
+        Image.fromarray(pixels.numpy()).save(os.path.join(directory, f"source-{i}.png"))
+        rows.append(json.dumps({"prompt": prompt, "image": f"source-{i}.png"}))
+    path = os.path.join(directory, "prompts.jsonl")
+    with open(path, "w") as f:
+        f.write("\n".join(rows) + "\n")
+    return path
+
+
 def run_configuration(command, *, pipe, kind, tiny, device, tmp, prompts):
     """One iteration of the command through its algorithm file; what it measured. The pipeline is left as
     it came: a --text-cache run's text encoders (fill_text_cache drops them) put back on the CPU, its
@@ -435,11 +455,18 @@ def run_configuration(command, *, pipe, kind, tiny, device, tmp, prompts):
 
     name, script, argv, world = command
     out_dir = tempfile.mkdtemp(prefix=key(name, script, argv) + "-", dir=tmp)
+    words = argv.split()
+    if "--condition-size" in words and tiny:  # the tiny target's size
+        words[words.index("--condition-size") + 1] = "32"
+    edits = estimate.editing(kind, tyro.cli(importlib.import_module(script).Args, args=words))
+    if edits:  # an editing prompt set: one source of the target's size per prompt
+        a = tyro.cli(importlib.import_module(script).Args, args=words)
+        size = 32 if tiny else a.resolution
+        prompts = edit_prompts(os.path.join(out_dir, "edit"), size, size if tiny else a.width or size)
     extra = ["--num-iterations", "1", "--eval-every", "0", "--save-every", "0", "--output-dir", out_dir,
              "--prompts", prompts, "--eval-prompts", prompts]
     if tiny:
         extra += ["--resolution", "32", "--width", "32", "--max-sequence-length", "16"]
-    words = argv.split()
     if "--text-cache" in words:  # a directory of this check's, filled by this run
         words[words.index("--text-cache") + 1] = os.path.join(out_dir, "text-cache")
     mod = importlib.import_module(script)

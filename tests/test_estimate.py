@@ -200,7 +200,7 @@ def test_gpu_check_script_runs_on_a_tiny_model(tmp_path, tiny_report):
     # one command per newer family (models.py), FLUX.2 [klein] and [dev] with a text cache of the check's own
     families = {estimate.model_architecture(m)[0] for m in models} - {"sd3", "flux"}
     assert families == {"qwenimage", "flux2", "zimage", "wan"} and len(set(models)) == 7
-    assert sum("--text-cache" in c["argv"] for c in configs) == 3  # FLUX.2 [klein] and [dev], Wan
+    assert sum("--text-cache" in c["argv"] for c in configs) == 4  # FLUX.2 [klein] (and editing), [dev], Wan
     for c in configs:
         assert c["ok"] and c["iterations"] == 1 and c["checkpoints_saved"] == 1, c
         if c["script"] not in ("diffusion_nft", "dgpo"):  # a ratio of likelihoods (DiffusionNFT, DGPO: none)
@@ -252,13 +252,42 @@ def test_the_text_cache_drops_the_text_encoders():
     assert estimate.peak(cached, ("text encoders off the GPU",)) > estimate.peak(cached)
 
 
+def test_editing_rows_carry_the_sources_tokens():
+    """An editing row's forwards see the source's tokens after the target's: FLUX.2 [klein] with one reference
+    at the target's size has twice the image tokens, so the rollout's and the training step's FLOPs grow by at
+    least the sequence's factor (the linear layers) and at most its square (attention), and their peaks grow;
+    Qwen-Image-Edit's encode reads the source's image tokens (and the VAE's), the Kontext README row scores
+    with the CLIP image tower of image_similarity (GenEval: a server)."""
+    name, script, argv, world = command("1 GPU (24 GB): Flow-GRPO, FLUX.2 [klein] base 4B, editing")
+    fast = dict(tiny=True, phases=("rollout", "training step"))
+    edit = estimate.estimate(name, script, argv, world, **fast)
+    plain = estimate.estimate(name, script, argv.replace(" --condition-size 512", ""), world, **fast)
+    image, cond = math.prod(edit["shape"][1:]), edit["edit"]["cond_tokens"]
+    assert cond == image > 0 and plain["edit"] is None
+    factor = (image + cond + edit["tokens"]) / (image + edit["tokens"])
+    for phase in ("rollout", "training step"):
+        ratio = edit["flops"][phase] / plain["flops"][phase]
+        assert 0.95 * factor <= ratio <= factor**2, (phase, ratio, factor)
+        assert edit["peak"][phase] > plain["peak"][phase], phase
+    qwen = estimate.estimate(*command("Flow-GRPO, Qwen-Image-Edit-2511"), tiny=True, count_flops=False,
+                             phases=("encode", "training step"))
+    assert qwen["kind"] == "qwenimage_edit" and qwen["edit"]["vl_tokens"] > 0 and qwen["cfg"]
+    assert qwen["edit"]["cond_tokens"] == math.prod(qwen["shape"][1:]) // 4  # packed 2 x 2, as the target
+    kontext = estimate.estimate(*command("Flow-GRPO, FLUX.1 Kontext"), tiny=True, count_flops=False,
+                                phases=("rewards",))
+    assert kontext["kind"] == "kontext" and kontext["bytes"]["reward models (bf16 towers)"] > 0
+    assert kontext["edit"]["cond_tokens"] == math.prod(kontext["shape"][1:]) // 4
+
+
 def test_released_architectures_have_the_published_sizes():
     """The configs built at real size (on the meta device, seconds) have the published parameter counts."""
     for arch, published in estimate.PUBLISHED.items():
         for built, count in zip(estimate.parameter_counts(arch), published):
             assert built == pytest.approx(count, rel=0.06 if count < 1e9 else 0.02), arch  # VAEs: "0.08B"
-    aliases = set(__import__("common").MODEL_ALIASES) - {"toy", "toy-video"}
+    aliases = set(__import__("common").MODEL_ALIASES) - set(estimate.TOY_ALIASES)
     assert aliases == set(estimate.ARCHITECTURE)  # every --model alias has its architecture
+    assert set(estimate.ARCHITECTURE.values()) <= set(estimate.PUBLISHED) | {"flux", "sd3"} | {
+        a for a in estimate.ARCHITECTURE.values() if a.startswith("wan")}
 
 
 @pytest.mark.slow
