@@ -265,3 +265,25 @@ def test_editreward_sends_each_source_with_its_result(tmp_path):
                                f"[-100.0, 100.0]"
     finally:
         server.shutdown()
+
+
+def test_the_editing_world_is_each_files_toy_preset_in_its_world(monkeypatch, tmp_path):
+    """--model toy-edit (or a directory whose toy_world.json says "edit"): the file's TOY preset with
+    rundir.TOY_EDIT_WORLD's world (its prompts, its rewards, the sources as they are); flags given still win; the
+    committed pipeline is a FluxKontextPipeline that brings that marker."""
+    import json as json_
+
+    import dancegrpo
+    import rundir
+    copied = tmp_path / "kontext-shapes"
+    copied.mkdir()
+    (copied / "toy_world.json").write_text(json_.dumps({"world": "edit"}))
+    for model in ("toy-edit", str(copied)):
+        monkeypatch.setattr("sys.argv", ["dancegrpo.py", "--model", model, "--group-size", "4"])
+        args = rundir.parse_args(dancegrpo.Args, toy=dancegrpo.TOY, description="")
+        assert (args.model, args.prompts, args.condition_size, args.group_size) == (model, "toy-edit", 0, 4)
+        assert args.rewards == ("toy_edit", "toy_preserve") and args.eval_rewards == ("toy_edit_strict",)
+        assert args.learning_rate == dancegrpo.TOY["learning_rate"]
+    with open(os.path.join(common.MODEL_ALIASES["toy-edit"], "model_index.json")) as f:
+        assert json_.load(f)["_class_name"] == "FluxKontextPipeline"
+    assert rundir.toy_world_of(common.MODEL_ALIASES["toy-edit"]) == "edit"
