@@ -348,19 +348,21 @@ def learning_runs(tmp_path_factory, cases: dict, *, model: str, base: str, pairs
     return result
 
 
-def learning_gain(runs: dict, name: str, *, cases: dict, base: str, metric: str) -> tuple:
-    """A learning run's held-out gain in `metric` against the base evaluation of the `base` run, its paired
-    standard error (printed) and its run directory; the run must have exited 0."""
+def learning_gain(runs: dict, name: str, *, cases: dict, base: str, metrics: tuple) -> tuple:
+    """A learning run's held-out gain in the mean of `metrics` (e.g. its training rewards) against the base
+    evaluation of the `base` run, its paired standard error (printed) and its run directory; the run must have
+    exited 0."""
     out, code, log = runs[name]
     assert code == 0, log[-3000:]
     run, _ = read_metrics(out)
     first, _ = read_metrics(runs[base][0])
     iterations = cases[name][1]
-    before, after = (json.load(open(os.path.join(r, f"eval_{i}.json"))) for r, i in ((first, 0), (run, iterations)))
-    gain, se = paired(before[metric], after[metric])
-    n = len(before[metric])
-    print(f"{name}: {metric} {sum(before[metric]) / n:.4f} -> {sum(after[metric]) / n:.4f}, gain {gain:+.4f} +- "
-          f"{se:.4f} (paired SE, {gain / se:+.1f} SE)")
+    evals = (json.load(open(os.path.join(r, f"eval_{i}.json"))) for r, i in ((first, 0), (run, iterations)))
+    before, after = ([sum(v) / len(v) for v in zip(*(e[m] for m in metrics))] for e in evals)
+    gain, se = paired(before, after)
+    n, what = len(before), " + ".join(metrics)
+    print(f"{name}: {what} {sum(before) / n:.4f} -> {sum(after) / n:.4f}, gain {gain:+.4f} +- {se:.4f} (paired "
+          f"SE, {gain / se:+.1f} SE)")
     return gain, se, run
 
 

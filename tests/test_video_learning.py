@@ -43,6 +43,6 @@ def runs(tmp_path_factory):
 
 @pytest.mark.parametrize("name", CASES)
 def test_motion_reward_rises_on_the_moving_shapes_toy(runs, name):
-    gain, se, run = learning_gain(runs, name, cases=CASES, base=BASE, metric="toy_motion")
+    gain, se, run = learning_gain(runs, name, cases=CASES, base=BASE, metrics=("toy_motion",))
     assert gain > 2 * se, (gain, se)
     assert os.path.isfile(os.path.join(run, "samples", f"eval_{CASES[name][1]}.webp"))  # the evaluation's videos
