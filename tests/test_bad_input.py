@@ -124,7 +124,8 @@ def test_world_size_must_divide_prompts():
 def test_unknown_reward():
     with pytest.raises(SystemExit, match=r"unknown reward 'nonsense'; choose from \['hps', 'clip', 'pickscore', "
                                          r"'imagereward', 'aesthetic', 'unifiedreward', 'ocr', 'geneval', "
-                                         r"'deqa', 'videoalign_vq', 'videoalign_mq', 'videoalign_ta', 'jpeg'"):
+                                         r"'deqa', 'videoalign_vq', 'videoalign_mq', 'videoalign_ta', "
+                                         r"'image_similarity', 'editreward', 'jpeg'"):
         load_rewards(["nonsense"], "cpu", models=RewardModels())
 
 

@@ -136,8 +136,9 @@ def test_references_of_other_counts_or_sizes_in_one_batch_are_one_line(flux2_dir
 
 
 def test_the_text_cache_keeps_each_prompts_references(flux2_dirs, tmp_path):
-    """Two edits with one instruction and other references (two each): two cache rows, the negative prompt's once,
-    each bitwise the encoder's own, the position ids integers as the pipeline's."""
+    """Two edits with one instruction and other references (two each): two cache rows, each with its own negative
+    (an editing set's negative may see its images: rundir.fill_text_cache), each bitwise the encoder's own, the
+    position ids integers as the pipeline's."""
     import rundir
     path = write_edits(tmp_path, [{"prompt": PROMPT, "images": ["a.png", "b.png"]},
                                   {"prompt": PROMPT, "images": ["b.png", "a.png"]}])
@@ -147,7 +148,7 @@ def test_the_text_cache_keeps_each_prompts_references(flux2_dirs, tmp_path):
     assert (direct["cond"][0] - direct["cond"][1]).abs().max() > 1e-3
     rundir.fill_text_cache(pipe, kind, prompts, directory=str(tmp_path / "cache"), device="cpu",
                            max_sequence_length=16, cfg=4.0)
-    assert len([f for f in os.listdir(tmp_path / "cache") if f.endswith(".safetensors")]) == 3
+    assert len([f for f in os.listdir(tmp_path / "cache") if f.endswith(".safetensors")]) == 2
     cached = common.encode_prompts(pipe, kind, prompts[::-1], max_sequence_length=16, cfg=4.0)
     assert cached.keys() == direct.keys() and cached["cond_ids"].dtype == torch.int64
     for k in direct:

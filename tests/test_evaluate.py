@@ -241,8 +241,9 @@ def test_bad_inputs_give_one_line_errors(tmp_path):
          f"evaluate it with the model it was trained from"),
         (dict(metrics=("jpeg", "fid")), "unknown reward 'fid'; choose from ['hps', 'clip', 'pickscore', 'imagereward', "
          "'aesthetic', 'unifiedreward', 'ocr', 'geneval', 'deqa', 'videoalign_vq', 'videoalign_mq', 'videoalign_ta', "
-         "'jpeg', 'toy_color_position', 'toy_shape_count', 'toy_strict', 'toy_proxy', 'toy_frame', 'toy_frame_first', "
-         "'toy_frame_mean', 'toy_motion', 'toy_consistency', 'toy_video_strict']"),
+         "'image_similarity', 'editreward', 'jpeg', 'toy_color_position', 'toy_shape_count', 'toy_strict', "
+         "'toy_proxy', 'toy_frame', 'toy_frame_first', 'toy_frame_mean', 'toy_motion', 'toy_consistency', "
+         "'toy_video_strict', 'toy_edit', 'toy_preserve', 'toy_edit_strict']"),
         (dict(metrics=evaluate.Args().metrics),
          "the unifiedreward reward needs --unifiedreward-url, the address of a server that serves it"),
         (dict(metrics=("jpeg", "jpeg")), "--metrics jpeg jpeg names a metric twice; name each once"),
