@@ -287,3 +287,16 @@ def test_the_editing_world_is_each_files_toy_preset_in_its_world(monkeypatch, tm
     with open(os.path.join(common.MODEL_ALIASES["toy-edit"], "model_index.json")) as f:
         assert json_.load(f)["_class_name"] == "FluxKontextPipeline"
     assert rundir.toy_world_of(common.MODEL_ALIASES["toy-edit"]) == "edit"
+
+
+def test_evaluate_scores_an_editing_model_on_its_world(tmp_path):
+    """evaluate.py on --model toy-edit: its preset's editing prompts, sources and metrics (each pair's source
+    reaches the rewards, which read it); a text-to-image model given an editing set stops in one line."""
+    proc = run_script("evaluate.py", ["--model", "toy-edit", "--num-prompts", "4", "--seeds-per-prompt", "1",
+                                      "--steps", "2", "--out", str(tmp_path / "eval")])
+    table = open(tmp_path / "eval" / "table.md").read()
+    assert "toy-edit (kontext): 4 prompts" in table and "toy_preserve" in table and "toy_edit_strict" in table
+    proc = run_script("evaluate.py", ["--model", "toy", "--prompts", "toy-edit", "--metrics", "toy_edit",
+                                      "--num-prompts", "4", "--out", str(tmp_path / "eval2")], check=False)
+    assert proc.returncode != 0 and "the prompt set has source images (an editing set), and this FluxPipeline " \
+        "generates from text alone" in proc.stderr
