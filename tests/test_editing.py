@@ -300,3 +300,23 @@ def test_evaluate_scores_an_editing_model_on_its_world(tmp_path):
                                       "--num-prompts", "4", "--out", str(tmp_path / "eval2")], check=False)
     assert proc.returncode != 0 and "the prompt set has source images (an editing set), and this FluxPipeline " \
         "generates from text alone" in proc.stderr
+
+
+@pytest.mark.slow
+def test_two_processes_edit_as_one(kontext_dir, tmp_path):
+    """Two processes train the tiny Kontext on an editing set (each rank its prompts' sources; the first ratio
+    exactly 1), and their evaluation of the base model holds the same pairs with the same scores as one process's:
+    every source stays with its instruction across ranks."""
+    import json as json_
+    rows = [{"prompt": f"edit number {i}", "image": f"{'ab'[i % 2]}.png"} for i in range(4)]
+    prompts = write_edits(tmp_path, rows, images=(("a.png", (32, 32)), ("b.png", (32, 32))))
+    flags = dict(prompts_per_iteration=4, eval_num=8, condition_size=0)
+    run_script("flow_grpo.py", tiny_flags(kontext_dir, prompts, tmp_path / "n2", **flags), nproc=2)
+    two, m2 = read_metrics(tmp_path / "n2")
+    assert m2[1]["train/first_ratio_max_dev"] <= 1e-6
+    flags.update(num_iterations=1, eval_every=1, save_every=0)
+    run_script("flow_grpo.py", tiny_flags(kontext_dir, prompts, tmp_path / "n1", **flags))
+    one, _ = read_metrics(tmp_path / "n1")
+    evals = [json_.load(open(os.path.join(r, "eval_0.json"))) for r in (two, one)]
+    for k in evals[0]:
+        assert evals[0][k] == pytest.approx(evals[1][k], rel=1e-5, abs=1e-6), k
