@@ -240,7 +240,8 @@ def test_a_stopped_comparison_stops_its_runs(tmp_path):
     p.send_signal(signal.SIGTERM)
     t0 = time.time()
     _, err = p.communicate(timeout=120)
-    assert time.time() - t0 < 30  # the run obeyed its terminate(), not the kill() 60 s later
+    assert time.time() - t0 < 50  # the run obeyed its terminate() (it ends its iteration: 30 s and more on a
+    # loaded CI machine), not the kill() 60 s later
     assert p.returncode == 1 and "interrupted; run the same command again to resume" in err, err[-2000:]
     left = subprocess.run(["pgrep", "-f", str(runs)], capture_output=True, text=True).stdout.split()
     assert left == [], left  # no run left behind, still training into the run directory
