@@ -23,6 +23,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 from edit_world import WORDS, draw_edits, edit_prompts, render  # noqa: E402
 from edit_world import toy_edit_reward, toy_edit_strict_accuracy, toy_preserve_reward  # noqa: E402
+from make_toy import pack  # noqa: E402
 
 EVAL_SEED, EVAL_NOISE_SEED = 1001, 100_000
 
@@ -53,11 +54,6 @@ def build(base: str):
     return FluxKontextPipeline(scheduler=flux.scheduler, vae=flux.vae, text_encoder=flux.text_encoder,
                                tokenizer=tok, text_encoder_2=flux.text_encoder_2, tokenizer_2=tok2,
                                transformer=flux.transformer)
-
-
-def pack(z):
-    from diffusers import FluxPipeline
-    return FluxPipeline._pack_latents(z, z.shape[0], z.shape[1], z.shape[2], z.shape[3])
 
 
 @torch.no_grad()
