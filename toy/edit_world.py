@@ -126,10 +126,28 @@ def parse_edit(prompt) -> tuple[str, str]:
         raise ValueError(f"not an editing toy-world prompt: {str(prompt)[:60]!r}; it needs a source image and "
                          f"the source and target scenes (toy/edit_world.py)")
     parse_toy_prompt(source), parse_toy_prompt(target)  # noqa: B018 (the grammar's ValueError)
+    changed = meta.get("changed", [])
+    if not isinstance(changed, list) or len(changed) > 4 or not all(
+            isinstance(b, list) and len(b) == 4 and all(type(v) in (int, float) and -64 <= v <= 96 for v in b)
+            for b in changed):
+        raise ValueError(f"the edit {str(prompt)[:60]!r} has a \"changed\" field that is not a list of at most 4 "
+                         f"boxes [x0, y0, x1, y1] in pixels at 32 x 32: {str(changed)[:60]}")
     if not _INSTRUCTION.fullmatch(" ".join(str(prompt).lower().split())):
         raise ValueError(f"not a toy-world instruction: {str(prompt)[:60]!r}; expected e.g. 'make the red circle "
                          f"blue' or 'remove the blue square'")
     return source, target
+
+
+def source_image(prompt) -> torch.Tensor:
+    """An edit prompt's source image, uint8 [3, H, W]: the tensor of the prompt set 'toy-edit', or the file a
+    .jsonl row names (common.Prompt.images holds its path)."""
+    image = prompt.images[0]
+    if isinstance(image, str):
+        import numpy as np
+        from PIL import Image
+        with Image.open(image) as f:
+            image = torch.from_numpy(np.asarray(f.convert("RGB")).copy()).permute(2, 0, 1)
+    return image
 
 
 def _at_size(images: torch.Tensor) -> torch.Tensor:
@@ -147,7 +165,7 @@ def _difference_outside(images: torch.Tensor, prompts: list) -> torch.Tensor:
     out = torch.zeros(len(prompts), device=x.device)
     for i, p in enumerate(prompts):
         parse_edit(p)
-        src = _at_size(p.images[0][None].float().to(x.device) / 255)[0]
+        src = _at_size(source_image(p)[None].float().to(x.device) / 255)[0]
         keep = torch.ones(SIZE, SIZE, device=x.device)
         for x0, y0, x1, y1 in p.metadata.get("changed", []):
             inside = ((grid[:, None] >= y0) & (grid[:, None] <= y1) & (grid >= x0) & (grid <= x1)).float()
