@@ -11,7 +11,8 @@ shape:
 
 The target is the source with that one change; everything else (the other object, sizes, offsets) is kept. Each
 edit is a prompt of the prompt set 'toy-edit': the instruction, its source image, and as metadata the source and
-target scenes in the toy world's words. Rewards take the edited images [B, 3, H, W] in [0, 1] (resized to 32x32)
+target scenes in the toy world's words (a .jsonl prompt set scores alike: rows {"prompt", "image", "source", "target",
+"changed"}). Rewards take the edited images [B, 3, H, W] in [0, 1] (resized to 32x32)
 and those prompts, and return a float tensor [B] in [0, 1]:
 
     toy_edit          the instruction carried out: toy/world.py's colour-position and shape-count rewards of the
