@@ -157,6 +157,18 @@ def test_the_video_table_rebuilds_from_raw(tmp_path):
                                                                      "video.md")).read()
 
 
+def test_the_edit_table_rebuilds_from_raw(tmp_path):
+    """results/compare.py --edit --summary-only on the committed edit/raw/ writes the committed edit.md, byte for
+    byte (a comparison in progress: each row says how many seeds it has so far)."""
+    os.symlink(os.path.join(ROOT, "results", "compare", "edit", "raw"), tmp_path / "raw")
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "results", "compare.py"), "--edit", "--summary-only",
+                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert (tmp_path / "edit.md").read_text() == open(os.path.join(ROOT, "results", "compare", "edit",
+                                                                    "edit.md")).read()
+
+
 def test_the_docs_variance_decomposition_rebuilds_from_raw():
     """docs/results.md's three SEs of Flow-GRPO's change at the end of its 10 equal-compute seeds: the two-way
     analysis of variance of the per-pair changes (seeds x pairs, crossed), the pigeonhole bootstrap's SD, and the SE
