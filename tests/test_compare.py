@@ -238,7 +238,9 @@ def test_a_stopped_comparison_stops_its_runs(tmp_path):
            "--runs-dir", str(runs), "--out", str(tmp_path / "out")]
     p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert "start flow_grpo seed 0" in "".join(p.stdout.readline() for _ in range(2))
-    time.sleep(5)  # the run is training
+    log, t0 = runs / "flow_grpo" / "seed0.log", time.time()
+    while "iterations |" not in (log.read_text() if log.exists() else "") and time.time() - t0 < 300:
+        time.sleep(0.5)  # until the run is training (its start takes 5 s idle, far longer on a loaded machine)
     p.send_signal(signal.SIGTERM)
     t0 = time.time()
     _, err = p.communicate(timeout=120)
