@@ -145,28 +145,17 @@ def test_the_comparison_tables_rebuild_from_raw(tmp_path):
         assert (out / name).read_text() == open(os.path.join(ROOT, "results", "compare", name)).read(), name
 
 
-def test_the_video_table_rebuilds_from_raw(tmp_path):
-    """results/compare.py --video --summary-only on the committed video/raw/ writes the committed video.md, byte for
-    byte."""
-    os.symlink(os.path.join(ROOT, "results", "compare", "video", "raw"), tmp_path / "raw")
-    done = subprocess.run([sys.executable, os.path.join(ROOT, "results", "compare.py"), "--video", "--summary-only",
+@pytest.mark.parametrize("world", ["video", "edit"])
+def test_the_world_tables_rebuild_from_raw(tmp_path, world):
+    """results/compare.py --video (--edit) --summary-only on the committed video/raw/ (edit/raw/) writes the committed
+    video.md (edit.md), byte for byte (the editing comparison is in progress: each row says its seeds so far)."""
+    os.symlink(os.path.join(ROOT, "results", "compare", world, "raw"), tmp_path / "raw")
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "results", "compare.py"), f"--{world}", "--summary-only",
                            "--out", str(tmp_path)], capture_output=True, text=True, timeout=600,
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert done.returncode == 0, done.stderr[-2000:]
-    assert (tmp_path / "video.md").read_text() == open(os.path.join(ROOT, "results", "compare", "video",
-                                                                     "video.md")).read()
-
-
-def test_the_edit_table_rebuilds_from_raw(tmp_path):
-    """results/compare.py --edit --summary-only on the committed edit/raw/ writes the committed edit.md, byte for
-    byte (a comparison in progress: each row says how many seeds it has so far)."""
-    os.symlink(os.path.join(ROOT, "results", "compare", "edit", "raw"), tmp_path / "raw")
-    done = subprocess.run([sys.executable, os.path.join(ROOT, "results", "compare.py"), "--edit", "--summary-only",
-                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=600,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert (tmp_path / "edit.md").read_text() == open(os.path.join(ROOT, "results", "compare", "edit",
-                                                                    "edit.md")).read()
+    assert (tmp_path / f"{world}.md").read_text() == open(os.path.join(ROOT, "results", "compare", world,
+                                                                        f"{world}.md")).read()
 
 
 def test_the_docs_variance_decomposition_rebuilds_from_raw():
