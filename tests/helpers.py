@@ -320,6 +320,20 @@ def release_run_directories():
         sys.modules["rundir"].restore_signals()
 
 
+def write_edit_set(folder, prompts: list, *, name: str = "edits.jsonl") -> str:
+    """Editing toy-world prompts (toy/edit_world.py) as a .jsonl prompt set in `folder`: each source a PNG, each
+    row {"prompt", "image", "source", "target", "changed"}. Returns the file's path."""
+    from PIL import Image
+    rows = []
+    for i, p in enumerate(prompts):
+        Image.fromarray(p.images[0].permute(1, 2, 0).numpy()).save(os.path.join(folder, f"{i}.png"))
+        rows.append(json.dumps({"prompt": str(p), "image": f"{i}.png", **p.metadata}))
+    path = os.path.join(folder, name)
+    with open(path, "w") as f:
+        f.write("\n".join(rows) + "\n")
+    return path
+
+
 def learning_runs(tmp_path_factory, cases: dict, *, model: str, base: str, pairs: int, timeout: float) -> dict:
     """The learning tests' runs: each case name: (script, iterations, flags, process) trained on `model` for its
     iterations and evaluated on `pairs` held-out pairs at the end (`base` also at 0: every TOY preset samples

@@ -11,13 +11,11 @@ Measured here (seed 0, one thread; docs/editing.md has every file): toy_edit aft
 AWM +3.8 (the roots of the SDE and the ODE rollouts' lineages; MixGRPO +3.2, DGPO +3.1, online DPO +2.6 are not run
 here, for CI time). On the preset's own prompt sets (training and held-out edits apart) one iteration keeps more of
 the source (toy_preserve beyond 3 SE on 96 triples, every file) while the instruction moves within 2 SE."""
-import json
 import os
 
 import pytest
-from PIL import Image
 
-from helpers import learning_gain, learning_runs
+from helpers import learning_gain, learning_runs, write_edit_set
 
 # about 180 CPU-s, which the suite's 20 minutes on two cores do not have beside the text and video worlds' learning
 # tests (.ci/run took 1,312 s with it): run it with FLOW_RL_EDIT_LEARNING=1 python -m pytest tests/test_edit_learning.py
@@ -39,13 +37,8 @@ def runs(tmp_path_factory):
     import edit_world
     folder = tmp_path_factory.mktemp("edits")
     held_out = edit_world.edit_prompts(1024, seed=1)  # the prompt set 'toy-edit''s held-out edits
-    rows = []
-    for k in EDITS:
-        p = held_out[k]
-        Image.fromarray(p.images[0].permute(1, 2, 0).numpy()).save(folder / f"{k}.png")
-        rows.append(json.dumps({"prompt": str(p), "image": f"{k}.png", **p.metadata}))
-    (folder / "edits.jsonl").write_text("\n".join(rows) + "\n")
-    edits = ["--prompts", str(folder / "edits.jsonl"), "--eval-prompts", str(folder / "edits.jsonl")]
+    path = write_edit_set(str(folder), [held_out[k] for k in EDITS])
+    edits = ["--prompts", path, "--eval-prompts", path]
     cases = {name: (script, its, [*flags, *edits], process) for name, (script, its, flags, process) in CASES.items()}
     return learning_runs(tmp_path_factory, cases, model="toy-edit", base=BASE, pairs=PAIRS, timeout=1800)
 

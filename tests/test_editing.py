@@ -175,19 +175,15 @@ def test_the_editing_toy_rewards():
 def test_the_editing_toy_rewards_read_a_jsonl_prompt_set(tmp_path):
     """The editing world's edits written as a .jsonl prompt set (each source a PNG, the scenes and boxes as fields)
     score as the prompt set 'toy-edit' does; a "changed" field that is not boxes is one line naming it."""
-    from PIL import Image
     import edit_world
+    from helpers import write_edit_set
     prompts = edit_world.edit_prompts(6, seed=3)
-    rows = []
-    for i, p in enumerate(prompts):
-        Image.fromarray(p.images[0].permute(1, 2, 0).numpy()).save(tmp_path / f"{i}.png")
-        rows.append(json.dumps({"prompt": str(p), "image": f"{i}.png", **p.metadata}))
-    (tmp_path / "edits.jsonl").write_text("\n".join(rows) + "\n")
-    read = common.load_prompt_set(str(tmp_path / "edits.jsonl"), rewards=("toy_edit", "toy_preserve"))
+    path = write_edit_set(str(tmp_path), prompts)
+    read = common.load_prompt_set(path, rewards=("toy_edit", "toy_preserve"))
     images = torch.rand(6, 3, 32, 32)
     for reward in (edit_world.toy_edit_reward, edit_world.toy_preserve_reward, edit_world.toy_edit_strict_accuracy):
         assert torch.equal(reward(images, read), reward(images, prompts)), reward.__name__
-    (tmp_path / "bad.jsonl").write_text(json.dumps({**json.loads(rows[0]), "changed": [[1, 2, 3]]}) + "\n")
+    (tmp_path / "bad.jsonl").write_text(json.dumps({**json.loads(open(path).readline()), "changed": [[1, 2, 3]]}) + "\n")
     with pytest.raises(SystemExit) as e:
         common.load_prompt_set(str(tmp_path / "bad.jsonl"), rewards=("toy_preserve",))
     assert "has a \"changed\" field that is not a list of at most 4 boxes" in str(e.value), e.value
