@@ -432,6 +432,14 @@ def on_signal(signum, frame):
         STOP["signal"] = signum
         say(f"{name}: the run stops when this iteration is done and saved ({name} again: at once, losing it)")
         return
+    again = STOP["signal"] is not None
+    STOP["signal"] = signum  # kept: if the SystemExit below is swallowed (a __del__, a callback),
+    stop_at_once(signum, again=again)  # Run.iterations still stops before its first iteration
+
+
+def stop_at_once(signum: int, *, again: bool):
+    """The stop of a signal outside an iteration's end, or of a second one: one line, exit 128 + signal."""
+    import signal
     if STOP.get("bar") is not None:  # its last state printed now, not after this line
         STOP.pop("bar").close()
     run_dir = STOP["run_dir"] if STOP["run_dir"] and os.path.isdir(STOP["run_dir"]) else None
@@ -440,7 +448,7 @@ def on_signal(signum, frame):
     if run_dir and not ckpt and STOP["iterating"]:  # a new run's first iteration: nothing to resume
         discard_new_run(run_dir, writer=None, resumed=False)
         kept = f"; no iteration was saved yet, so {run_dir} is removed"
-    print(f"\nstopped by {name}{' again' * (STOP['signal'] is not None)}{kept}", file=sys.stderr, flush=True)
+    print(f"\nstopped by {signal.Signals(signum).name}{' again' * again}{kept}", file=sys.stderr, flush=True)
     raise SystemExit(128 + signum)
 
 
@@ -512,6 +520,9 @@ class Run:
             except BaseException:  # nothing to resume yet: a new run leaves no directory
                 discard_new_run(self.run_dir, writer=self.writer, resumed=False)
                 raise
+        if STOP["signal"] is not None:  # a signal during the start whose SystemExit (its line printed) was
+            discard_new_run(self.run_dir, writer=self.writer, resumed=self.start > 0)  # swallowed somewhere
+            raise SystemExit(128 + STOP["signal"])
         say(f"training: iterations {self.start + 1} to {args.num_iterations} "
             f"({args.prompts_per_iteration} prompts x {args.group_size} images each; Ctrl-C stops after an "
             f"iteration, saved)")
