@@ -23,7 +23,8 @@ def tiny(tmp_path_factory):
 
 def pytest_collection_modifyitems(items):
     """The learning runs first: they are the longest files, and each worker starts with one of them (the text
-    world's; the video world's, then the editing world's) while the other worker runs the rest."""
+    world's; the video world's, then the editing world's where FLOW_RL_EDIT_LEARNING=1) while the other worker runs
+    the rest."""
     learning = ("test_learning.py", "test_video_learning.py", "test_edit_learning.py")
     items.sort(key=lambda item: not any(f in item.nodeid for f in learning))
 
