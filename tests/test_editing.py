@@ -183,7 +183,8 @@ def test_the_editing_toy_rewards_read_a_jsonl_prompt_set(tmp_path):
     images = torch.rand(6, 3, 32, 32)
     for reward in (edit_world.toy_edit_reward, edit_world.toy_preserve_reward, edit_world.toy_edit_strict_accuracy):
         assert torch.equal(reward(images, read), reward(images, prompts)), reward.__name__
-    (tmp_path / "bad.jsonl").write_text(json.dumps({**json.loads(open(path).readline()), "changed": [[1, 2, 3]]}) + "\n")
+    first = json.loads((tmp_path / "edits.jsonl").read_text().splitlines()[0])
+    (tmp_path / "bad.jsonl").write_text(json.dumps({**first, "changed": [[1, 2, 3]]}) + "\n")
     with pytest.raises(SystemExit) as e:
         common.load_prompt_set(str(tmp_path / "bad.jsonl"), rewards=("toy_preserve",))
     assert "has a \"changed\" field that is not a list of at most 4 boxes" in str(e.value), e.value

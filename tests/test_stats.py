@@ -148,7 +148,7 @@ def test_the_comparison_tables_rebuild_from_raw(tmp_path):
 @pytest.mark.parametrize("world", ["video", "edit"])
 def test_the_world_tables_rebuild_from_raw(tmp_path, world):
     """results/compare.py --video (--edit) --summary-only on the committed video/raw/ (edit/raw/) writes the committed
-    video.md (edit.md), byte for byte (the editing comparison is in progress: each row says its seeds so far)."""
+    video.md (edit.md), byte for byte."""
     os.symlink(os.path.join(ROOT, "results", "compare", world, "raw"), tmp_path / "raw")
     done = subprocess.run([sys.executable, os.path.join(ROOT, "results", "compare.py"), f"--{world}", "--summary-only",
                            "--out", str(tmp_path)], capture_output=True, text=True, timeout=600,
