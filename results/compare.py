@@ -81,7 +81,7 @@ VIDEO_FILES = {"flow_grpo": "Flow-GRPO", "densegrpo": "DenseGRPO", "diffusion_nf
                "mixgrpo": "MixGRPO", "dpo": "Online Diffusion-DPO", "crd": "CRD"}
 # Flow-GRPO's and DanceGRPO's TOY presets learn motion slowly in this world (Flow-GRPO's: +2.0 paired SE after 10
 # iterations; 3 seeds of 10 iterations resolved nothing, docs/video.md): they run at lr 3e-4 with two optimizer
-# steps an iteration here, as in tests/test_video_learning.py
+# steps an iteration here, as in tests/test_learning.py
 VIDEO_FAST = {"flow_grpo": ["--learning-rate", "3e-4", "--updates-per-iteration", "2"],
               "dancegrpo": ["--learning-rate", "3e-4", "--updates-per-iteration", "2"]}
 CONFIGS.update({f"video_{f}_{r}": (f"{f}.py", ["--model", "toy-video", *VIDEO_FAST.get(f, []), *flags,

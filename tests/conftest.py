@@ -22,11 +22,9 @@ def tiny(tmp_path_factory):
 
 
 def pytest_collection_modifyitems(items):
-    """The learning runs first: they are the longest files, and each worker starts with one of them (the text
-    world's; the video world's, then the editing world's where FLOW_RL_EDIT_LEARNING=1) while the other worker runs
-    the rest."""
-    learning = ("test_learning.py", "test_video_learning.py", "test_edit_learning.py")
-    items.sort(key=lambda item: not any(f in item.nodeid for f in learning))
+    """The learning runs first: they are the longest file, and one worker starts with it (its two processes
+    run the three toy worlds' learning runs) while the other worker runs the rest."""
+    items.sort(key=lambda item: "test_learning.py" not in item.nodeid)
 
 
 CPU_LOG = os.environ.get("PYTEST_CPU_LOG")  # a JSON line per test, its CPU seconds (docs/contributing.md)

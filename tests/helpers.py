@@ -334,31 +334,30 @@ def write_edit_set(folder, prompts: list, *, name: str = "edits.jsonl") -> str:
     return path
 
 
-def learning_runs(tmp_path_factory, cases: dict, *, model: str, base: str, pairs: int, timeout: float) -> dict:
-    """The learning tests' runs: each case name: (script, iterations, flags, process) trained on `model` for its
-    iterations and evaluated on `pairs` held-out pairs at the end (`base` also at 0: every TOY preset samples
-    the same pairs alike), in two processes side by side, each running its cases in turn (tests/run_in_turn.py:
-    torch and diffusers imported once a process), one thread each. {name: (output dir, exit code, log)}."""
-    env = script_env()
-    logs, out, turns = tmp_path_factory.mktemp("logs"), {}, [[], []]
-    for name, (script, iterations, extra, process) in cases.items():
-        out[name] = str(tmp_path_factory.mktemp(name))
-        args = ["--model", model, "--output-dir", out[name], "--num-iterations", str(iterations), "--eval-every",
-                str(iterations), "--eval-num", str(pairs), "--save-every", "0", "--log-images-every", "0", *extra,
-                *([] if name == base else ["--no-eval-base"])]
-        turns[process].append([name, script, args])
-    procs = []
-    for process, turn in enumerate(turns):
-        (logs / f"{process}.json").write_text(json.dumps(turn))
-        cmd = [sys.executable, os.path.join(ROOT, "tests", "run_in_turn.py"), str(logs / f"{process}.json")]
-        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      text=True))
-    said = [p.communicate(timeout=timeout)[0] for p in procs]  # a run that fails is its case's failure
-    assert all(p.returncode == 0 for p in procs), said
-    result = {}
-    for name in cases:
-        code, log = (logs / f"{name}.log").read_text().split("\n", 1)
-        result[name] = (out[name], int(code), log)
+def learning_runs(tmp_path_factory, worlds: dict, *, base: str, timeout: float) -> dict:
+    """The learning tests' runs: for each world (a --model) its (cases, pairs, flags): each case name: (script,
+    iterations, flags) trained in that world for its iterations, with the world's flags, and evaluated on `pairs`
+    held-out pairs at the end (`base` also at 0: every TOY preset samples a world's pairs alike). All of them in
+    turn in one process (tests/run_in_turn.py: torch and diffusers imported once), one thread: with pytest's other
+    worker beside it, as many busy processes as the machine has cores. {world: {name: (output dir, exit code,
+    log)}}."""
+    logs, out, turn = tmp_path_factory.mktemp("logs"), {}, []
+    for world, (cases, pairs, flags) in worlds.items():
+        for name, (script, iterations, extra) in cases.items():
+            out[world, name] = str(tmp_path_factory.mktemp(f"{world}-{name}"))
+            args = ["--model", world, "--output-dir", out[world, name], "--num-iterations", str(iterations),
+                    "--eval-every", str(iterations), "--eval-num", str(pairs), "--save-every", "0",
+                    "--log-images-every", "0", *extra, *flags, *([] if name == base else ["--no-eval-base"])]
+            turn.append([f"{world}-{name}", script, args])
+    (logs / "runs.json").write_text(json.dumps(turn))
+    cmd = [sys.executable, os.path.join(ROOT, "tests", "run_in_turn.py"), str(logs / "runs.json")]
+    proc = subprocess.run(cmd, cwd=ROOT, env=script_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:]  # a run that fails is its case's failure
+    result = {world: {} for world in worlds}
+    for world, name in out:
+        code, log = (logs / f"{world}-{name}.log").read_text().split("\n", 1)
+        result[world][name] = (out[world, name], int(code), log)
     return result
 
 
