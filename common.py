@@ -859,6 +859,10 @@ def load_prompt_set(path: str, *, split: str = "train", rewards=()) -> list[str]
             first = "has no image" if not images else "has images"
             fail(f"line {n} of prompt file {path!r} {first}, line {lines[0][0]} "
                  f"{'has' if not images else 'has none'}; an editing prompt set gives every line its images")
+        if images and prompts and len(images) != len(prompts[0].images):  # no family batches other counts
+            fail(f"line {n} of prompt file {path!r} has {len(images)} source images, line {lines[0][0]} "
+                 f"{len(prompts[0].images)}; an editing prompt set gives every line as many (a batch's "
+                 f"sources are encoded together)")
         bad = re.search(r"[\x00-\x08\x0a-\x1f\x7f-\x9f\ud800-\udfff]", text)
         if bad:
             what = "a NUL character" if bad[0] == "\0" else "a lone surrogate" if bad[0] >= "\ud800" else \

@@ -46,8 +46,8 @@ import tyro
 from common import (ARG_RANGES, MODEL_ALIASES, RewardModels, as_reference, broadcast_object,
                     check_frame_reduce, check_guidance, check_output_path, check_ranges, check_rewards,
                     close_distributed, decode, drop_text_encoders, encode_prompts, fail, gather_cat,
-                    latent_shape, load_pipeline, load_prompt_set, load_rewards, loggable, ode_complete,
-                    pipeline_sigmas, place, score, select, setup_distributed, velocity)
+                    images_hash, latent_shape, load_pipeline, load_prompt_set, load_rewards, loggable,
+                    ode_complete, pipeline_sigmas, place, score, select, setup_distributed, velocity)
 from rundir import (check_editing, check_model_directory, decimals, hold_run_directory, latest_checkpoint,
                     paired_change, parse_args, read_run_json, safetensors_header, stop_on_write_error,
                     use_checkpoint, weights_fingerprint, write_atomically)
@@ -75,7 +75,8 @@ class Args:
 
     # Metrics
     metrics: tuple[str, ...] = ("hps", "clip", "pickscore", "imagereward", "unifiedreward")
-    """rewards: hps, clip, pickscore, imagereward, aesthetic, unifiedreward, ocr, geneval, deqa, jpeg, toy"""
+    """rewards: hps, clip, pickscore, imagereward, aesthetic, unifiedreward, ocr, geneval, deqa, jpeg, toy;
+    editing: image_similarity, editreward (docs/editing.md)"""
     reward_models: tyro.conf.OmitArgPrefixes[RewardModels] = field(default_factory=RewardModels)
     """where each reward model's weights come from"""
 
@@ -466,6 +467,9 @@ if __name__ == "__main__":
         settings = {k: v for k, v in loggable(args).items() if k not in ("checkpoints", "out")}
         settings.update(kind=kind, world=world, num_pairs=len(pairs), pair_prompts=[p for p, _ in pairs],
                         pair_noise_seeds=[s for _, s in pairs])
+        if any(getattr(p, "images", ()) for p, _ in pairs):  # editing: each pair's sources (paths or hashes)
+            settings["pair_sources"] = [[i if isinstance(i, str) else images_hash((i,)) for i in p.images]
+                                        for p, _ in pairs]
         scored = [{**e, "scores": {k: v.tolist() for k, v in s.items()}} for e, s in zip(entries, all_scores)]
         print("\n" + report, flush=True)  # first: a disk that filled meanwhile cannot take the table too
         os.remove(os.path.join(args.out, "scores.json.reserved"))  # the room reserved at the start

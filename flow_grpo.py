@@ -70,7 +70,8 @@ class Args:
     eval_prompts: str = "data/pickscore/test.txt"
     """held-out evaluation prompts, one per line ('toy': the toy world's grammar)"""
     rewards: tuple[str, ...] = ("pickscore",)
-    """rewards: hps, clip, pickscore, imagereward, aesthetic, unifiedreward, ocr, geneval, deqa, jpeg, toy"""
+    """rewards: hps, clip, pickscore, imagereward, aesthetic, unifiedreward, ocr, geneval, deqa, jpeg, toy;
+    editing: image_similarity, editreward (docs/editing.md)"""
     reward_weights: tuple[float, ...] = ()
     """one weight per reward (none given: all 1)"""
     eval_rewards: tuple[str, ...] = ()

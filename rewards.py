@@ -898,15 +898,16 @@ def videoalign_reward(url: str, dimension: str, *, fps: int, deadline: float = 6
 
 
 # ======== Editing: the result against its source image ========
-def source_pixels(prompt, size: tuple | None = None) -> torch.Tensor:
-    """An editing prompt's first source image (common.Prompt.images: a path or uint8 [3, H, W]) as float
-    [3, H, W] in [0, 1], resized to `size` (H, W) if given; a prompt without one is a one-line error."""
+def source_pixels(prompt, size: tuple | None = None, *, index: int = 0) -> torch.Tensor:
+    """An editing prompt's source image `index` (common.Prompt.images: a path or uint8 [3, H, W]; the first by
+    default) as float [3, H, W] in [0, 1], resized to `size` (H, W) if given; a prompt without one is a
+    one-line error."""
     from PIL import Image
     images = getattr(prompt, "images", ())
     if not images:
         fail(f"this reward compares an edit with its source image; the prompt {str(prompt)[:60]!r} has "
              f"none (an editing prompt set: .jsonl rows with \"image\")")
-    image = images[0]
+    image = images[index]
     if isinstance(image, str):
         with Image.open(image) as f:
             image = torch.from_numpy(np.asarray(f.convert("RGB")).copy()).permute(2, 0, 1)
@@ -980,7 +981,8 @@ def editreward_reward(url: str, *, deadline: float = 600, retries: int = 3):
         until, out = time.monotonic() + deadline, []
         for batch in torch.arange(len(results)).split(16):
             idx = batch.tolist()
-            sources = [[jpeg(uint8_pixels(source_pixels(prompts[i])[None])[0])] for i in idx]
+            sources = [[jpeg(uint8_pixels(source_pixels(prompts[i], index=k)[None])[0])
+                        for k in range(len(prompts[i].images))] for i in idx]
             body = {"images": [results[i] for i in idx], "sources": sources,
                     "prompts": [str(prompts[i]) for i in idx]}
             answer = server_post(url, body, until=until, retries=retries)

@@ -102,11 +102,14 @@ def test_an_editing_prompt_set_reads_its_images(tmp_path):
     """Flow-Factory's layout: {"prompt", "image"} or {"prompt", "images": [...]}, paths relative to the file;
     one instruction over two sources is two prompts (their keys differ)."""
     path = write_edits(tmp_path, [{"prompt": PROMPT, "image": "a.png"}, {"prompt": PROMPT, "image": "b.png"},
-                                  {"prompt": "remove it", "images": ["a.png", "b.png"], "extra": 1}])
+                                  {"prompt": "remove it", "images": ["b.png"], "extra": 1}])
     prompts = common.load_prompt_set(path)
-    assert [len(p.images) for p in prompts] == [1, 1, 2]
+    assert [len(p.images) for p in prompts] == [1, 1, 1]
     assert prompts[0].images == (str(tmp_path / "a.png"),) and prompts[2].metadata["extra"] == 1
     assert prompts[0] == prompts[1] and len({common.prompt_key(p) for p in prompts}) == 3
+    (tmp_path / "two.jsonl").write_text(json.dumps({"prompt": PROMPT, "images": ["a.png", "b.png"]}) + "\n")
+    (two,) = common.load_prompt_set(str(tmp_path / "two.jsonl"))
+    assert two.images == (str(tmp_path / "a.png"), str(tmp_path / "b.png"))
 
 
 @pytest.mark.parametrize("row,images,expected", [
@@ -133,6 +136,15 @@ def test_a_prompt_set_that_mixes_edits_and_text_is_one_line(tmp_path):
     path = write_edits(tmp_path, [{"prompt": PROMPT, "image": "a.png"}, {"prompt": "a red circle"}])
     message = one_line_error(lambda: common.load_prompt_set(path))
     assert f"line 2 of prompt file {path!r} has no image, line 1 has;" in message
+
+
+def test_a_prompt_set_whose_edits_have_other_numbers_of_sources_is_one_line(tmp_path):
+    """Read when the set loads, not when a batch that mixes them is first encoded, hours into a run."""
+    path = write_edits(tmp_path, [{"prompt": PROMPT, "image": "a.png"}, {"prompt": PROMPT, "images": ["a.png"]},
+                                  {"prompt": PROMPT, "images": ["a.png", "b.png"]}])
+    message = one_line_error(lambda: common.load_prompt_set(path))
+    assert message == (f"error: line 3 of prompt file {path!r} has 2 source images, line 1 1; an editing prompt "
+                       f"set gives every line as many (a batch's sources are encoded together)")
 
 
 def test_the_text_cache_keeps_each_source(kontext_dir, tmp_path):
@@ -238,8 +250,8 @@ def test_image_similarity_is_flow_grpos_clip_image_similarity(tmp_path):
 
 
 def test_editreward_sends_each_source_with_its_result(tmp_path):
-    """The edit-judge client: a request per batch carrying the results, each edit's source images and the
-    instructions; a stand-in judge answers a known function of all three; an answer out of range is one line."""
+    """The edit-judge client: a request per batch carrying the results, each edit's source images (all of them,
+    at their own sizes) and the instructions; a stand-in judge answers a known function of all three; an answer out of range is one line."""
     import io
     import pickle
     import threading
@@ -269,12 +281,14 @@ def test_editreward_sends_each_source_with_its_result(tmp_path):
     try:
         url = f"http://127.0.0.1:{server.server_address[1]}"
         prompts = [common.Prompt(PROMPT, {}, images=(torch.zeros(3, 16, 24, dtype=torch.uint8),)),
-                   common.Prompt("remove it", {}, images=(torch.full((3, 8, 8), 255, dtype=torch.uint8),))]
+                   common.Prompt("remove it", {}, images=(torch.full((3, 8, 8), 255, dtype=torch.uint8),
+                                                          torch.zeros(3, 8, 16, dtype=torch.uint8)))]
         fn = common.load_rewards(["editreward"], "cpu", models=common.RewardModels(editreward_url=url,
                                                                                    reward_retries=0))
         scores = common.score(fn, torch.full((2, 3, 32, 32), 0.5), prompts)["editreward"]
         assert len(seen) == 1 and set(seen[0]) == {"images", "sources", "prompts"}
-        assert [Image.open(io.BytesIO(s[0])).size for s in seen[0]["sources"]] == [(24, 16), (8, 8)]
+        sizes = [[Image.open(io.BytesIO(jpeg)).size for jpeg in s] for s in seen[0]["sources"]]
+        assert sizes == [[(24, 16)], [(8, 8), (16, 8)]]  # every source of an edit, in order, at its own size
         assert torch.allclose(scores, torch.tensor([0.5 + len(PROMPT) / 100, -0.5 + 0.09]), atol=0.02)
         server.raw = {"scores": [0.0, float("nan")]}
         with pytest.raises(SystemExit) as e:
@@ -309,11 +323,18 @@ def test_the_editing_world_is_each_files_toy_preset_in_its_world(monkeypatch, tm
 
 def test_evaluate_scores_an_editing_model_on_its_world(tmp_path):
     """evaluate.py on --model toy-edit: its preset's editing prompts, sources and metrics (each pair's source
-    reaches the rewards, which read it); a text-to-image model given an editing set stops in one line."""
+    reaches the rewards, which read it, and scores.json records it); a text-to-image model given an editing set
+    stops in one line."""
     proc = run_script("evaluate.py", ["--model", "toy-edit", "--num-prompts", "4", "--seeds-per-prompt", "1",
                                       "--steps", "2", "--out", str(tmp_path / "eval")])
     table = open(tmp_path / "eval" / "table.md").read()
     assert "toy-edit (kontext): 4 prompts" in table and "toy_preserve" in table and "toy_edit_strict" in table
+    with open(tmp_path / "eval" / "scores.json") as f:
+        settings = json.load(f)["settings"]
+    import edit_world
+    drawn = edit_world.edit_prompts(1024, seed=1)[:4]  # the preset's evaluation prompts (its held-out draw)
+    assert settings["pair_prompts"] == [str(p) for p in drawn]  # each pair's source recorded beside it:
+    assert settings["pair_sources"] == [[common.images_hash(p.images[:1])] for p in drawn]  # the pixels' hash
     proc = run_script("evaluate.py", ["--model", "toy", "--prompts", "toy-edit", "--metrics", "toy_edit",
                                       "--num-prompts", "4", "--out", str(tmp_path / "eval2")], check=False)
     assert proc.returncode != 0 and "the prompt set has source images (an editing set), and this FluxPipeline " \
