@@ -24,7 +24,9 @@ An entry (a dict of plain functions and names) defines:
                     "none" (ignored: a step-distilled model)
     negative        the negative prompt of true CFG
     call_guidance   --guidance -> the pipeline __call__'s arguments for the same guidance (the run's summary)
-    editing         (editing families only) True: prompts may carry source images (common.Prompt.images);
+    editing         (editing families only) (pipe, height, width) -> the (height, width) a source of that size
+                    enters the VAE at (rundir.check_editing: a set's sources must resize alike); prompts may
+                    carry source images (common.Prompt.images);
                     encode then also returns their tokens ("cond") and what places them (ids or shapes), per
                     prompt, which velocity puts after the noisy target's tokens and cuts off again; pipe.
                     condition_size (--condition-size) sets the size they are encoded at
@@ -179,13 +181,23 @@ def shared_ids(cond_ids):
     return cond_ids[0]
 
 
+def kontext_source_hw(pipe, height: int, width: int) -> tuple:
+    """The (height, width) a source of (height, width) pixels enters the VAE at, as the pipeline's __call__
+    resizes it: floored to the processor's multiple (get_default_height_width: the ratio it reads), then its
+    preferred resolution nearest in aspect ratio, or pipe.condition_size's (condition_hw)."""
+    from diffusers.pipelines.flux.pipeline_flux_kontext import PREFERRED_KONTEXT_RESOLUTIONS
+    shape = torch.empty(1, 3, 1, 1).expand(1, 3, height, width)  # its size alone: no pixels
+    h, w = pipe.image_processor.get_default_height_width(shape)
+    return condition_hw(h, w, size=getattr(pipe, "condition_size", None), multiple=2 * pipe.vae_scale_factor,
+                        preferred=PREFERRED_KONTEXT_RESOLUTIONS)
+
+
 def kontext_encode(pipe, prompts, *, max_sequence_length, guidance, device):
     """FLUX.1's text embeddings and, for editing prompts, each one's source image resized as the pipeline's
     __call__ resizes it (its preferred resolution nearest in aspect ratio, or pipe.condition_size:
     condition_hw), VAE-encoded (the posterior's mode), normalised and packed: "cond" [B, N, 4C] and its
     position ids "cond_ids" [B, N, 3] (first axis 1: pipeline_flux_kontext.py prepare_latents)."""
     from diffusers import FluxKontextPipeline
-    from diffusers.pipelines.flux.pipeline_flux_kontext import PREFERRED_KONTEXT_RESOLUTIONS
     out = flux_encode(pipe, prompts, max_sequence_length=max_sequence_length, guidance=guidance,
                       device=device)
     counts = {len(getattr(p, "images", ())) for p in prompts}
@@ -197,9 +209,7 @@ def kontext_encode(pipe, prompts, *, max_sequence_length, guidance, device):
     tokens, ids = [], []
     for p in prompts:
         image = source_image(p.images[0])
-        h, w = pipe.image_processor.get_default_height_width(image)  # floored to 2f: the ratio it reads
-        h, w = condition_hw(h, w, size=getattr(pipe, "condition_size", None),
-                            multiple=2 * pipe.vae_scale_factor, preferred=PREFERRED_KONTEXT_RESOLUTIONS)
+        h, w = kontext_source_hw(pipe, image.height, image.width)
         pixels = pipe.image_processor.preprocess(pipe.image_processor.resize(image, h, w), h, w)
         z = pipe._encode_vae_image(pixels.to(pipe.vae.device, pipe.vae.dtype), generator=None)
         tokens.append(pack(z)[0])
@@ -221,27 +231,41 @@ def qwen_edit_sources(pipe, images):
     (pipeline_qwenimage_edit.py:623-624, 662-665): one resize to 1024 x 1024 pixels' area that both see.
     pipe.condition_size other than None sets the VAE's size alone (condition_hw: 0 the source as it is, S the
     area of S x S; floored to 2f); the encoder's stays the pipeline's."""
-    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit, pipeline_qwenimage_edit_plus
+    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus
     plus = type(pipe).__name__ == "QwenImageEditPlusPipeline"
-    size, processor, f = getattr(pipe, "condition_size", None), pipe.image_processor, pipe.vae_scale_factor
+    size, processor = getattr(pipe, "condition_size", None), pipe.image_processor
     seen, pixels = [], []
     for image in map(source_image, images):
         ratio = image.width / image.height
+        vae_h, vae_w = qwen_edit_source_hw(pipe, image.height, image.width)
         if plus:
             module = pipeline_qwenimage_edit_plus
             w, h = module.calculate_dimensions(module.CONDITION_IMAGE_SIZE, ratio)
             seen.append(processor.resize(image, h, w))
-            vae_w, vae_h = module.calculate_dimensions(module.VAE_IMAGE_SIZE, ratio)
             vae_image = image  # preprocess resizes it (:706)
         else:
-            vae_w, vae_h, _ = pipeline_qwenimage_edit.calculate_dimensions(1024 * 1024, ratio)
             vae_image = processor.resize(image, vae_h, vae_w)  # the encoder's input too (:663)
             seen.append(vae_image)
-        if size is not None:
-            vae_h, vae_w = condition_hw(image.height, image.width, size=size, multiple=2 * f)
+        if size is not None:  # the encoder's input stays the pipeline's
             vae_image = processor.resize(image, vae_h, vae_w)
         pixels.append(processor.preprocess(vae_image, vae_h, vae_w).unsqueeze(2))
     return (seen if plus else seen[0]), pixels
+
+
+def qwen_edit_source_hw(pipe, height: int, width: int) -> tuple:
+    """The (height, width) a source of (height, width) pixels enters the VAE at (qwen_edit_sources): Plus
+    1024 x 1024 pixels' area at its aspect ratio in multiples of 32 (calculate_dimensions), 2508 the same
+    (its own calculate_dimensions), or pipe.condition_size's (condition_hw, floored to 2f)."""
+    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit, pipeline_qwenimage_edit_plus
+    size = getattr(pipe, "condition_size", None)
+    if size is not None:
+        return condition_hw(height, width, size=size, multiple=2 * pipe.vae_scale_factor)
+    if type(pipe).__name__ == "QwenImageEditPlusPipeline":
+        module = pipeline_qwenimage_edit_plus
+        w, h = module.calculate_dimensions(module.VAE_IMAGE_SIZE, width / height)
+    else:
+        w, h, _ = pipeline_qwenimage_edit.calculate_dimensions(1024 * 1024, width / height)
+    return h, w
 
 
 def qwen_edit_encode(pipe, prompts, *, max_sequence_length, guidance, device):
@@ -392,6 +416,18 @@ def flux2_reference(pipe, image):
         image = image.resize((w, h), Image.Resampling.LANCZOS)
     h, w = condition_hw(image.height, image.width, size=0, multiple=2 * pipe.vae_scale_factor)
     return pipe.image_processor.preprocess(image, height=h, width=w, resize_mode="crop")  # crop: no resize
+
+
+def flux2_reference_hw(pipe, height: int, width: int) -> tuple:
+    """The (height, width) a reference of (height, width) pixels enters the VAE at (flux2_reference): over
+    1 MP the sides of _resize_to_target_area (truncated), or pipe.condition_size's, then floored to 2f."""
+    size = getattr(pipe, "condition_size", None)
+    if size is None and width * height > FLUX2_MAX_AREA:
+        scale = (FLUX2_MAX_AREA / (width * height)) ** 0.5
+        height, width = int(height * scale), int(width * scale)
+    elif size:
+        height, width = condition_hw(height, width, size=size, multiple=1)
+    return condition_hw(height, width, size=0, multiple=2 * pipe.vae_scale_factor)
 
 
 def flux2_encode(pipe, prompts, *, max_sequence_length, guidance, device):
@@ -624,7 +660,7 @@ FAMILIES = {
         "latent": qwen_latent,
         "mu": lambda pipe, latent, steps: calculate_shift(latent[1] * latent[2] // 4, pipe.scheduler.config),
         "base_sigmas": linspace_sigmas, "encode": qwen_edit_encode, "velocity": qwen_velocity,
-        "decode": qwen_decode, "editing": True,
+        "decode": qwen_decode, "editing": qwen_edit_source_hw,
         "call_image": lambda h, w, size: "image=source, ",  # (the pipeline resizes it itself)
         "lora_targets": lambda t: _ATTN + ["img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj",
                                            "txt_mlp.net.2"],
@@ -639,7 +675,7 @@ FAMILIES = {
                     "flux2-klein-9b": "black-forest-labs/FLUX.2-klein-9B"},
         "latent": flux2_latent, "mu": flux2_mu, "base_sigmas": linspace_sigmas, "encode": flux2_encode,
         "velocity": flux2_velocity, "decode": flux2_decode, "lora_targets": flux2_lora_targets,
-        "editing": True,  # one or several reference images per prompt (a source over 1 MP: resized to 1 MP)
+        "editing": flux2_reference_hw,  # one or several references per prompt (over 1 MP: resized to 1 MP)
         "call_image": lambda h, w, size: "image=[source], ",  # --condition-size > 0: resize the source first
         "blocks": flux_blocks, "guidance": lambda pipe: "embedded" if pipe.transformer.config.guidance_embeds
         else "none" if getattr(pipe.config, "is_distilled", False) else "cfg", "negative": ""},
@@ -673,7 +709,7 @@ FAMILIES = {
 FAMILIES["kontext"] = {  # FLUX.1 Kontext: FLUX.1-dev's entry, its sources' tokens after the target's
     **FAMILIES["flux"], "pipelines": ("FluxKontextPipeline",),
     "aliases": {"flux-kontext-dev": "black-forest-labs/FLUX.1-Kontext-dev"}, "encode": kontext_encode,
-    "editing": True, "call_image": lambda h, w, size: f"image=source, max_area={h * w}, "
+    "editing": kontext_source_hw, "call_image": lambda h, w, size: f"image=source, max_area={h * w}, "
     + ("" if size is None else "_auto_resize=False, ")}  # (--condition-size > 0: resize the source first)
 
 

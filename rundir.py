@@ -257,7 +257,7 @@ def start_run(args, *, script: str, check_args, planned_nfe, reference: bool, co
         on_cpu = bool(args.text_cache) or sharded
         pipe, kind = load_pipeline(args.model, "cpu" if on_cpu else device, dtype=compute_dtype)
         check_guidance(pipe, kind, args.guidance)
-        check_editing(pipe, kind, train_prompts + eval_prompts, condition_size=args.condition_size)
+        check_editing(pipe, kind, train_prompts, eval_prompts, condition_size=args.condition_size)
         base_weights = weights_fingerprint(pipe.transformer)  # what a checkpoint was trained from
         trained_on = read_run_json(ckpt).get("base_weights") if ckpt else None
         if trained_on and trained_on != base_weights:  # (older checkpoints have none)
@@ -300,15 +300,54 @@ def start_run(args, *, script: str, check_args, planned_nfe, reference: bool, co
         raise
 
 
-def check_editing(pipe, kind: str, prompts: list, *, condition_size: int | None):
+def check_editing(pipe, kind: str, *prompt_sets, condition_size: int | None):
     """Editing prompts (with source images) for an editing model only; the condition size the family's encode
-    reads (pipe.condition_size)."""
+    reads (pipe.condition_size). The sources of each set must enter the VAE at one size (a batch's are encoded
+    together; the family's "editing" gives the size): checked now, from the images' headers, not when a batch
+    that mixes them is first encoded, hours into a run."""
+    from PIL import Image
     pipe.condition_size = condition_size
-    edits = any(getattr(p, "images", ()) for p in prompts)
-    if edits and not FAMILIES[kind].get("editing"):
-        editors = [c for f in FAMILIES.values() if f.get("editing") for c in f["pipelines"]]
-        fail(f"the prompt set has source images (an editing set), and this {type(pipe).__name__} generates "
-             f"from text alone; pass an editing model ({', '.join(editors)}) or a prompt set without images")
+    resized = FAMILIES[kind].get("editing")
+
+    @functools.lru_cache(maxsize=None)
+    def read(path):  # (height, width), from the header
+        with Image.open(path) as image:
+            return image.height, image.width
+
+    at_vae = functools.lru_cache(maxsize=None)(lambda height, width: resized(pipe, height, width))
+    for prompts in prompt_sets:
+        edits = [p for p in prompts if getattr(p, "images", ())]
+        if edits and not resized:
+            editors = [c for f in FAMILIES.values() if f.get("editing") for c in f["pipelines"]]
+            fail(f"the prompt set has source images (an editing set), and this {type(pipe).__name__} "
+                 f"generates from text alone; pass an editing model ({', '.join(editors)}) or a prompt set "
+                 f"without images")
+        first = {}  # the first prompt whose sources enter the VAE at each size
+        for p in edits:
+            sizes = []
+            for image in p.images:
+                try:
+                    height, width = read(image) if isinstance(image, str) else map(int, image.shape[-2:])
+                    sizes.append(at_vae(height, width))
+                except SystemExit as e:  # smaller than the model's multiple
+                    fail(f"the source image {shown_source(image)} of {str(p)[:40]!r}: "
+                         f"{str(e)[len('error: '):]}")
+            first.setdefault(tuple(sizes), p)
+            if len(first) > 1:
+                (a, pa), (b, pb) = first.items()
+                hw = lambda sizes: " + ".join(f"{h}x{w}" for h, w in sizes)  # noqa: E731
+                fail(f"the sources of {str(pa)[:40]!r} ({', '.join(map(shown_source, pa.images))}) and of "
+                     f"{str(pb)[:40]!r} ({', '.join(map(shown_source, pb.images))}) enter the VAE at {hw(a)} "
+                     f"and {hw(b)} pixels (height x width); a batch's sources are encoded together: pass "
+                     f"--condition-size S (each source resized to S x S pixels' area) with sources of one "
+                     f"aspect ratio, or resize them alike first")
+
+
+def shown_source(image) -> str:
+    """A source image as an error names it: its file's name, or its size where it has no file."""
+    if isinstance(image, str):
+        return repr(os.path.basename(image))
+    return "<{}x{} pixels>".format(*image.shape[-2:])
 
 
 def check_model_directory(model: str):

@@ -5,6 +5,7 @@ images, their one-line errors); the text cache of image-aware embeddings; the ed
 import json
 import os
 
+import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -70,6 +71,50 @@ def test_the_sampler_reproduces_kontext(kontext_dir, tmp_path, size, condition_s
     without = common.ode_complete(pipe.transformer, kind, noise, [list(range(steps + 1))], sigmas, plain,
                                   guidance=guidance, micro_batch=4)
     assert (without - ours).abs().max() > 1e-4  # the source acts
+
+
+def test_the_size_a_source_enters_the_vae_at_is_the_encodes(kontext_dir):
+    """models.kontext_source_hw (what rundir.check_editing reads) gives the size kontext_encode encodes a source
+    at: the token grid of its position ids, for sources kept, resized to --condition-size and to the preferred
+    resolution."""
+    pipe, kind = common.load_pipeline(kontext_dir, torch.device("cpu"))
+    for size, condition_size in [((32, 32), 0), ((40, 72), 0), ((41, 75), 48), ((200, 120), 64), ((40, 56), None)]:
+        pipe.condition_size = condition_size
+        image = torch.from_numpy(np.asarray(source(*size))).permute(2, 0, 1)
+        ids = common.encode_prompts(pipe, kind, [common.Prompt(PROMPT, {}, images=(image,))],
+                                    max_sequence_length=16)["cond_ids"][0]
+        h, w = models.kontext_source_hw(pipe, *size)
+        assert (int(ids[:, 1].max()) + 1, int(ids[:, 2].max()) + 1) == (h // 16, w // 16), (size, condition_size)
+
+
+def test_a_set_whose_sources_resize_unlike_stops_before_training(kontext_dir, tmp_path):
+    """Sources that enter the VAE at other sizes in one prompt set: one line when the run starts (naming two of
+    them and their sizes), not when a batch that mixes them is first encoded; sources of one aspect ratio at
+    --condition-size S resize alike; a source below the model's multiple is one line naming it."""
+    import rundir
+    pipe, kind = common.load_pipeline(kontext_dir, torch.device("cpu"))
+    images = (("a.png", (32, 32)), ("b.png", (64, 64)), ("c.png", (32, 64)), ("d.png", (8, 8)))
+    path = write_edits(tmp_path, [{"prompt": PROMPT, "image": "a.png"}, {"prompt": "remove it", "image": "b.png"},
+                                  {"prompt": "add a square", "image": "c.png"}], images=images)
+    prompts = common.load_prompt_set(path)
+    rundir.check_editing(pipe, kind, prompts[:2], condition_size=48)  # 32x32 and 64x64 -> 48x48 each
+    message = one_line_error(lambda: rundir.check_editing(pipe, kind, prompts[:2], condition_size=0))
+    assert message == ("error: the sources of 'make the red circle blue' ('a.png') and of 'remove it' ('b.png') "
+                       "enter the VAE at 32x32 and 64x64 pixels (height x width); a batch's sources are encoded "
+                       "together: pass --condition-size S (each source resized to S x S pixels' area) with "
+                       "sources of one aspect ratio, or resize them alike first")
+    message = one_line_error(lambda: rundir.check_editing(pipe, kind, [], prompts, condition_size=48))
+    assert "('a.png') and of 'add a square' ('c.png') enter the VAE at 48x48 and 32x64 pixels" in message
+    rundir.check_editing(pipe, kind, prompts[:1], prompts[2:], condition_size=48)  # each set alike: no batch mixes
+    tiny = common.Prompt(PROMPT, {}, images=(str(tmp_path / "d.png"),))
+    message = one_line_error(lambda: rundir.check_editing(pipe, kind, [tiny], condition_size=0))
+    assert message.startswith("error: the source image 'd.png' of 'make the red circle blue': a source image of ")
+    assert message.endswith("is smaller than this model's multiple 16; pass a larger --condition-size")
+    flags = tiny_flags(kontext_dir, path, str(tmp_path / "runs"), condition_size=48)
+    proc = run_script("flow_grpo.py", flags, check=False)
+    assert proc.returncode == 1 and proc.stderr.strip().splitlines()[-1].startswith(
+        "error: the sources of 'make the red circle blue' ('a.png') and of 'add a square' ('c.png') enter the VAE")
+    assert not os.path.exists(tmp_path / "runs") or not os.listdir(tmp_path / "runs")  # nothing was trained
 
 
 def test_sources_of_other_sizes_in_one_batch_are_one_line(kontext_dir, tmp_path):

@@ -116,6 +116,17 @@ def test_a_reference_over_1_mp_is_prepared_as_the_pipeline_prepares_it(flux2_dir
     assert len(seen["images"]) == 1 and torch.equal(seen["images"][0], ours)
 
 
+def test_the_size_a_reference_enters_the_vae_at_is_the_encodes(flux2_dirs):
+    """models.flux2_reference_hw (what rundir.check_editing reads) gives flux2_reference's size: over 1 MP and
+    under, at --condition-size and without."""
+    pipe, _ = load(flux2_dirs, "flux2-klein", None)
+    for size, condition_size in [((1001, 1110), None), ((1400, 800), None), ((30, 50), None), ((1001, 1110), 0),
+                                 ((1001, 1110), 600), ((41, 75), 48)]:
+        pipe.condition_size = condition_size
+        shape = models.flux2_reference(pipe, source(*size)).shape[-2:]
+        assert tuple(shape) == models.flux2_reference_hw(pipe, *size), (size, condition_size)
+
+
 def test_references_of_other_counts_or_sizes_in_one_batch_are_one_line(flux2_dirs, tmp_path):
     pipe, kind = load(flux2_dirs, "flux2-klein", 0)
     paths = []

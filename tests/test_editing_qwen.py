@@ -8,6 +8,7 @@ The pipelines resize each source for the VAE to 1024 x 1024 pixels' area (Plus: 
 in the pipelines' modules, which models.qwen_edit_sources reads as the pipelines do."""
 import os
 
+import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -88,6 +89,18 @@ def test_the_sampler_reproduces_qwen_image_edit(edit_dirs, tmp_path, name, sizes
     without = common.ode_complete(pipe.transformer, kind, noise, [list(range(steps + 1))], sigmas, plain,
                                   guidance=guidance, micro_batch=4)
     assert (without - ours).abs().max() > 1e-4  # the sources' tokens act
+
+
+def test_the_size_a_source_enters_the_vae_at_is_the_encodes(edit_dirs):
+    """models.qwen_edit_source_hw (what rundir.check_editing reads) gives the VAE's size of qwen_edit_sources,
+    for Plus and 2508, at the pipelines' area (AREA here) and at --condition-size."""
+    for name in ("plus", "edit"):
+        pipe, _ = common.load_pipeline(edit_dirs[name], torch.device("cpu"))
+        for size, condition_size in [((32, 32), None), ((30, 50), None), ((41, 75), 0), ((50, 30), 40)]:
+            pipe.condition_size = condition_size
+            image = torch.from_numpy(np.asarray(source(*size))).permute(2, 0, 1)  # uint8 [3, H, W]
+            _, (pixels,) = models.qwen_edit_sources(pipe, [image])
+            assert tuple(pixels.shape[-2:]) == models.qwen_edit_source_hw(pipe, *size), (name, size)
 
 
 def test_the_condition_size_and_one_line_errors(edit_dirs, tmp_path):
