@@ -156,3 +156,20 @@ def test_maker_runs_end_to_end(tmp_path):
     assert run.returncode == 0, run.stderr[-2000:]
     assert (out / "model_index.json").exists() and (out / "transformer" / "config.json").exists()
     assert "strict=" in run.stdout and png.stat().st_size > 1000
+
+
+@pytest.mark.slow
+def test_the_editing_maker_runs_end_to_end(tmp_path):
+    """toy/make_edit_toy.py from the toy world's pipeline: a FluxKontextPipeline saved with save_pretrained that
+    loads by path, its toy_world.json naming the editing world, its measurements and its sample grid."""
+    import json
+
+    from diffusers import FluxKontextPipeline
+    out, png = tmp_path / "pipe", tmp_path / "samples.png"
+    cmd = [sys.executable, os.path.join(ROOT, "toy", "make_edit_toy.py"), "--out", str(out), "--steps", "2",
+           "--batch-size", "4", "--pool", "8", "--threads", "1", "--eval-num", "8", "--samples", str(png)]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert json.loads((out / "toy_world.json").read_text())["world"] == "edit"
+    assert type(FluxKontextPipeline.from_pretrained(str(out))).__name__ == "FluxKontextPipeline"
+    assert "strict=" in run.stdout and "preserve=" in run.stdout and png.stat().st_size > 1000

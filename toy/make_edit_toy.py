@@ -132,7 +132,7 @@ def train(pipe, args, log):
                 live = [p.detach().clone() for p in params]
                 for p, e in zip(params, ema):
                     p.copy_(e)
-                evaluate(pipe, lambda m: log(f"step {step}: {m}"), n=128)
+                evaluate(pipe, lambda m: log(f"step {step}: {m}"), n=args.eval_num // 2)
                 for p, v in zip(params, live):
                     p.copy_(v)
     with torch.no_grad():
@@ -226,6 +226,7 @@ def main():
     ap.add_argument("--eval-every", type=int, default=0, help="measure the EMA weights every N steps")
     ap.add_argument("--max-length", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--eval-num", type=int, default=256, help="held-out pairs measured at the end (half before)")
     ap.add_argument("--samples-only", action="store_true", help="load --out, print metrics, write --samples")
     ap.add_argument("--samples", default=os.path.join(os.path.dirname(HERE), "results", "toy_edit_samples.png"))
     args = ap.parse_args()
@@ -240,12 +241,12 @@ def main():
         for m in (pipe.text_encoder, pipe.text_encoder_2, pipe.vae):
             m.eval().requires_grad_(False)
         log("before training:")
-        evaluate(pipe, log, n=128)
+        evaluate(pipe, log, n=args.eval_num // 2)
         train(pipe, args, log)
         pipe.save_pretrained(args.out)
         write_marker(args.out)
         log(f"saved {args.out} after {time.time() - t0:.0f}s")
-    evaluate(pipe, log)
+    evaluate(pipe, log, n=args.eval_num)
     save_samples(pipe, args.samples)
     log(f"wrote {args.samples}")
 
