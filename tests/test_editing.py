@@ -248,6 +248,41 @@ def test_the_editing_toy_rewards_read_a_jsonl_prompt_set(tmp_path):
 
 
 @pytest.mark.slow
+def test_flow_grpos_counting_edit_pair_trains(kontext_dir, tmp_path):
+    """Flow-GRPO's counting_edit reward as the README's Kontext command trains on it, `--rewards image_similarity
+    geneval` on counting edits (.jsonl rows with a source and a GenEval spec): every training request to the
+    GenEval server (a local stand-in) carries each result's own edit spec, the similarity reads each result's
+    source, and the run logs both rewards."""
+    import threading
+
+    from test_reward_server import StandIn
+    from test_rewards import tiny_clip_model
+    from transformers import CLIPImageProcessor
+    clip = tiny_clip_model(tmp_path / "clip")
+    CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}).save_pretrained(clip)
+    rows = [{"prompt": f"Change the number of {c}s to two.", "image": i, "tag": "counting",
+             "include": [{"class": c, "count": 2}], "exclude": [{"class": c, "count": 3}]}
+            for c, i in (("cat", "a.png"), ("dog", "b.png"))]
+    prompts = write_edits(tmp_path, rows)
+    server = StandIn()
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        flags = tiny_flags(kontext_dir, prompts, tmp_path / "runs", rewards="image_similarity geneval",
+                           num_iterations=1, eval_every=0, log_images_every=0, save_every=0, condition_size=0)
+        run_script("flow_grpo.py", [*flags, "--geneval-url", server.url, "--similarity-clip", clip])
+    finally:
+        server.shutdown()
+        server.server_close()
+    (training,) = [r for r in server.requests if r["only_strict"]]
+    assert len(training["images"]) == 2 * 4  # 2 edits x G = 4, one batch
+    sent = training["meta_datas"]  # each group's row, whole: its spec (and its source's name)
+    assert sorted({json.dumps(m, sort_keys=True) for m in sent}) == sorted(json.dumps(r, sort_keys=True) for r in rows)
+    assert all(m == sent[4 * (i // 4)] for i, m in enumerate(sent))
+    _, m = read_metrics(tmp_path / "runs")
+    assert 0 <= m[1]["reward/geneval_mean"] <= 1 and -1 <= m[1]["reward/image_similarity_mean"] <= 1
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("script", list(__import__("test_families").CASES))
 def test_every_file_trains_an_editing_model(kontext_dir, tmp_path, script):
     """One iteration of each file with LoRA on FLUX.1 Kontext and an editing prompt set (.jsonl rows with
