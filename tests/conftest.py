@@ -21,10 +21,19 @@ def tiny(tmp_path_factory):
     return tiny_model_dirs(str(tmp_path_factory.mktemp("tiny")))
 
 
+# the files of most CPU seconds (measured with PYTEST_CPU_LOG, docs/contributing.md), most first
+HEAVY = ("test_learning.py", "test_estimate.py", "test_compare.py", "test_flow_grpo.py", "test_resume.py",
+         "test_bad_input.py", "test_memory.py", "test_families.py", "test_baselines.py", "test_interrupt.py",
+         "test_robustness.py", "test_diffusion_nft.py", "test_stats.py")
+
+
 def pytest_collection_modifyitems(items):
-    """The learning runs first: they are the longest file, and one worker starts with it (its two processes
-    run the three toy worlds' learning runs) while the other worker runs the rest."""
-    items.sort(key=lambda item: "test_learning.py" not in item.nodeid)
+    """The learning runs first: they are the longest file, and one worker starts with it (its process runs the
+    three toy worlds' learning runs) while the other worker runs the rest; then the other files of most CPU
+    seconds, so that the last files the two workers share are short ones (pytest-xdist hands out whole files,
+    in this order)."""
+    rank = lambda item: next((i for i, f in enumerate(HEAVY) if f"/{f}::" in f"/{item.nodeid}"), len(HEAVY))  # noqa
+    items.sort(key=rank)
 
 
 CPU_LOG = os.environ.get("PYTEST_CPU_LOG")  # a JSON line per test, its CPU seconds (docs/contributing.md)
