@@ -56,7 +56,8 @@ def test_the_tiny_tokenizer_drops_the_edit_template_as_the_real_one(edit_dirs):
 
 
 @pytest.mark.parametrize("name,sizes", [("plus", [(40, 56)]), ("plus", [(64, 32)]), ("plus", [(40, 56), (48, 48)]),
-                                        ("plus-2511", [(40, 56), (48, 48)]), ("edit", [(40, 56)]), ("edit", [(64, 32)])])
+                                        ("plus-2511", [(40, 56)]), ("plus-2511", [(40, 56), (48, 48)]),
+                                        ("edit", [(40, 56)]), ("edit", [(64, 32)])])
 def test_the_sampler_reproduces_qwen_image_edit(edit_dirs, tmp_path, name, sizes):
     """The sources' tokens after the target's, their shapes in img_shapes, the predictions cut back before true CFG,
     the negative " " encoded with the sources: common.ode_complete ends where the pipeline's __call__ ends (max abs
